@@ -1,0 +1,1 @@
+"""jspec: a JAX LLM serving engine with load-adaptive, lossless speculative decoding."""

@@ -1,0 +1,142 @@
+"""AsyncLLMEngine: the engine loop on a background thread, streamed to asyncio callers.
+
+Model steps block for milliseconds to seconds, so they run on their own thread and never on the
+event loop; requests and aborts cross over through a lock-protected inbox, and outputs come back
+through ``loop.call_soon_threadsafe`` into one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import AsyncIterator
+
+from jspec.engine import LLMEngine
+from jspec.outputs import RequestOutput
+from jspec.sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._new: list[tuple[str, object, SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jspec-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, target=None, draft=None, **kwargs) -> "AsyncLLMEngine":
+        from jspec.llm import build_engine
+
+        return cls(build_engine(target, draft, **kwargs))
+
+    # ------------------------------------------------------------------ public API
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (each with the cumulative text and this step's delta).
+
+        Invalid input raises ValueError here, before anything is queued. Cancelling the
+        consumer (e.g. a client disconnect) aborts the request and frees its KV blocks.
+        """
+        sampling_params = sampling_params or SamplingParams()
+        self.engine.validate_request(prompt, sampling_params)
+        if self.error is not None:
+            raise RuntimeError("the engine loop has failed") from self.error
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self._stopped:
+                raise RuntimeError("the engine is stopped")
+            self._streams[request_id] = (loop, queue)
+            self._new.append((request_id, prompt, sampling_params))
+            self._wake.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.engine.num_unfinished_requests + len(self._new)
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        with self._lock:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+    def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, queue = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+        if isinstance(out, BaseException) or out.finished:
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._lock:
+                while not (self._new or self._aborts or self._stopped
+                           or engine.has_unfinished_requests()):
+                    self._wake.wait()
+                if self._stopped:
+                    pending = list(self._streams)
+                    new, aborts = self._new, self._aborts
+                    self._new, self._aborts = [], []
+                else:
+                    pending = None
+                    new, aborts = self._new, self._aborts
+                    self._new, self._aborts = [], []
+            for request_id, prompt, sp in new:
+                try:
+                    engine.add_request(request_id, prompt, sp)
+                except ValueError as e:
+                    self._deliver(e, request_id)
+            if aborts:
+                engine.abort_request(aborts)
+            if pending is not None:
+                engine.abort_request(pending)
+                for out in engine.step() if engine.has_unfinished_requests() else []:
+                    self._deliver(out, out.request_id)
+                for request_id in pending:
+                    self._deliver(RuntimeError("the engine was shut down"), request_id)
+                return
+            try:
+                outputs = engine.step()
+            except BaseException as e:  # surface engine failures to every waiting caller
+                self.error = e
+                for request_id in list(self._streams):
+                    self._deliver(RuntimeError(f"engine step failed: {e!r}"), request_id)
+                with self._lock:
+                    self._stopped = True
+                return
+            for out in outputs:
+                self._deliver(out, out.request_id)

@@ -1,0 +1,1 @@
+"""Benchmarks, each reachable as `jspec bench NAME`."""

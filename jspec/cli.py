@@ -1,0 +1,48 @@
+"""The `jspec` command line. Each subcommand lives in its own module and is imported lazily, so
+`jspec --help` stays fast and a broken optional dependency only breaks its own command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
+COMMANDS = {
+    "generate": ("jspec.cli_generate", "generate text with speculative decoding"),
+}
+
+# `jspec bench NAME`: each module defines `add_arguments(parser)` and `run(args) -> int`.
+BENCHMARKS = {
+    "model-step": ("jspec.bench.model_step", "forward step time over batch x tokens per sequence"),
+    "overhead": ("jspec.bench.overhead", "host-side overhead per engine step"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jspec", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    bench = sub.add_parser("bench", help="benchmarks (see `jspec bench -h`)")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except ValueError as e:  # user mistakes surface as one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Engine configuration: one frozen dataclass, validated where it is built, and the shape buckets
+derived from it (every jitted function is compiled once per bucket at start-up)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine. ``None`` fields are derived from the models (see ``resolve``)."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None  # default: enough for a full decode batch at Γmax
+    max_model_len: int | None = None  # default: the target's max_position_embeddings (≤ 4096)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: max_num_seqs full-length sequences (+ null block)
+    kv_cache_memory_bytes: int | None = None  # alternative to num_kv_blocks
+    num_speculative_tokens: int = 4  # Γmax: the largest γ any policy may choose
+    policy: str = "static"
+    policy_options: tuple[tuple[str, Any], ...] = ()
+    enable_chunked_prefill: bool = True
+    dtype: str = "bfloat16"
+    seed: int = 0
+    attention_backend: str = "reference"
+    min_token_bucket: int = 8
+    warmup: bool = True  # compile every bucket at start-up
+
+    def __post_init__(self):
+        def positive(name):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "num_kv_blocks", "kv_cache_memory_bytes", "min_token_bucket"):
+            positive(name)
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got "
+                             f"{self.num_speculative_tokens!r}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be >= 2 (block 0 is reserved)")
+
+    @property
+    def policy_kwargs(self) -> dict[str, Any]:
+        return dict(self.policy_options)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """EngineConfig with every derived value filled in and the bucket lists."""
+
+    engine: EngineConfig
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    max_pages: int  # page-table width: covers max_model_len plus lookahead slots
+    seq_buckets: tuple[int, ...]
+    token_buckets: tuple[int, ...]
+
+    def seq_bucket(self, n: int) -> int:
+        for b in self.seq_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} sequences exceed max_num_seqs={self.engine.max_num_seqs}")
+
+    def token_bucket(self, n: int) -> int:
+        for b in self.token_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens}")
+
+
+def resolve(config: EngineConfig, target_max_positions: int, kv_bytes_per_block: int
+            ) -> ResolvedConfig:
+    lookahead = config.num_speculative_tokens
+    max_model_len = config.max_model_len or min(target_max_positions, 4096)
+    if max_model_len > target_max_positions:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the target model's "
+                         f"max_position_embeddings={target_max_positions}")
+    decode_tokens = config.max_num_seqs * (1 + lookahead)
+    if config.max_num_batched_tokens is None:
+        budget = max(_pow2_ceil(decode_tokens), 256)
+        if not config.enable_chunked_prefill:
+            budget = max(budget, max_model_len)
+    else:
+        budget = config.max_num_batched_tokens
+        if budget < 1 + lookahead:
+            raise ValueError(f"max_num_batched_tokens={budget} cannot hold one decode step of "
+                             f"{1 + lookahead} tokens (1 + num_speculative_tokens)")
+        if not config.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens={budget} must be "
+                             f">= max_model_len={max_model_len}")
+    block_size = config.block_size
+    pages_per_seq = -(-(max_model_len + lookahead + 1) // block_size)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_bytes is not None:
+        num_blocks = config.kv_cache_memory_bytes // kv_bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds fewer "
+                             f"than 2 KV blocks of {kv_bytes_per_block} bytes")
+    else:
+        num_blocks = config.max_num_seqs * pages_per_seq + 1
+    seq_buckets = []
+    b = 2  # never 1 row: a 1-row bf16 matmul is several times slower than 2 rows on CPU
+    while b < config.max_num_seqs:
+        seq_buckets.append(b)
+        b *= 2
+    seq_buckets.append(max(2, config.max_num_seqs))
+    token_buckets = []
+    t = max(config.min_token_bucket, 2)
+    while t < budget:
+        token_buckets.append(t)
+        t *= 2
+    token_buckets.append(budget)
+    return ResolvedConfig(
+        engine=config,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=budget,
+        num_kv_blocks=num_blocks,
+        max_pages=pages_per_seq,
+        seq_buckets=tuple(seq_buckets),
+        token_buckets=tuple(sorted(set(token_buckets))),
+    )
+
+
+def gamma_buckets(possible_gammas: set[int], max_gamma: int) -> tuple[int, ...]:
+    """Draft-length buckets: 0, powers of two and Γmax, keeping only those that some possible γ
+    rounds up to (a static policy compiles one drafting bucket, not five)."""
+    candidates = sorted({0, max_gamma} | {1 << i for i in range(max_gamma.bit_length())
+                                          if (1 << i) < max_gamma})
+    used = set()
+    for g in possible_gammas:
+        used.add(next(c for c in candidates if c >= g))
+    return tuple(sorted(used))
+
+
+def gamma_bucket(buckets: tuple[int, ...], gamma: int) -> int:
+    for b in buckets:
+        if b >= gamma:
+            return b
+    raise ValueError(f"γ={gamma} exceeds the largest bucket {buckets[-1]}")

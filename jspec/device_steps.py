@@ -1,0 +1,167 @@
+"""The jitted device work of one speculative step: the draft loop and verify-and-sample.
+
+Both are pure functions of (params, KV pool, batch arrays); the runner compiles them once per
+shape bucket with the KV pool donated. The draft loop runs up to G draft forwards in one
+``lax.while_loop`` with per-sequence active masks, so a step costs two dispatches however long
+the draft is, and no host round trip per drafted token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jspec.sampler import SamplingTensors, VerifyResult, rejection_sample, row_uniforms, \
+    sample_draft_tokens
+from models.config import ModelConfig
+from models.transformer import KVCache, ModelInput, forward
+from pallas_kernels.ragged_paged_attention import AttentionMetadata
+
+_DRAFT_STREAM = 3
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "logits", "num_drafted", "confidence", "entropy"],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class DraftResult:
+    """tokens [S, G]; raw draft logits [S, G, V] (float32, needed by the rejection sampler and the
+    signals); num_drafted [S]; confidence q(x_j) and entropy of q_j [S, G] (raw distributions)."""
+
+    tokens: jax.Array
+    logits: jax.Array
+    num_drafted: jax.Array
+    confidence: jax.Array
+    entropy: jax.Array
+
+
+def draft_loop(
+    params: dict,
+    kv: KVCache,
+    first: ModelInput,
+    next_positions: jax.Array,
+    page_table: jax.Array,
+    gammas: jax.Array,
+    stop_confidence: jax.Array,
+    stop_entropy: jax.Array,
+    st: SamplingTensors,
+    *,
+    cfg: ModelConfig,
+    num_steps: int,
+    attention_fn,
+):
+    """Draft up to ``num_steps`` tokens per sequence.
+
+    ``first`` feeds each drafting sequence's pending tokens (the 1-2 tokens the draft has not
+    seen; longer lags were caught up before) and asks for logits at its last one: that is the
+    distribution of x_1. Iterations k = 1.. feed x_k at position next_positions + k - 1, one token
+    per sequence row. Rows that are not drafting (γ_i = 0, stopped, prefill, padding) see an
+    all-null page table, so whatever they compute lands in the null block.
+
+    A token j is drafted iff j < γ_i, the product of the confidences of the tokens before it is
+    ≥ stop_confidence_i, and the entropy of its distribution is ≤ stop_entropy_i.
+    """
+    num_rows = gammas.shape[0]
+    vocab = cfg.vocab_size
+    uniforms = row_uniforms(st, _DRAFT_STREAM, num_steps)
+
+    def draft_one(logits, k, active, cum_conf):
+        tokens = sample_draft_tokens(logits, st, jax.lax.dynamic_index_in_dim(uniforms, k, 1,
+                                                                               keepdims=False))
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        entropy = -(jnp.exp(logq) * logq).sum(-1)
+        conf = jnp.exp(jnp.take_along_axis(logq, tokens[:, None], axis=-1)[:, 0])
+        active = active & (k < gammas) & (cum_conf >= stop_confidence) & (entropy <= stop_entropy)
+        return tokens, conf, entropy, active
+
+    logits0, kv = forward(params, kv, first, cfg=cfg, attention_fn=attention_fn)
+    tok0, conf0, ent0, active = draft_one(logits0, 0, gammas > 0, jnp.ones((num_rows,)))
+    tokens = jnp.zeros((num_rows, num_steps), jnp.int32).at[:, 0].set(tok0)
+    logits_buf = jnp.zeros((num_rows, num_steps, vocab), jnp.float32).at[:, 0].set(logits0)
+    conf_buf = jnp.zeros((num_rows, num_steps), jnp.float32).at[:, 0].set(conf0)
+    ent_buf = jnp.zeros((num_rows, num_steps), jnp.float32).at[:, 0].set(ent0)
+    num_drafted = active.astype(jnp.int32)
+    cum_conf = jnp.where(active, conf0, 0.0)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+
+    def cond(state):
+        k, active = state[0], state[1]
+        return (k < num_steps) & jnp.any(active)
+
+    def body(state):
+        k, active, kv, tokens, logits_buf, conf_buf, ent_buf, num_drafted, cum_conf = state
+        md = AttentionMetadata(
+            positions=jnp.where(active, next_positions + k - 1, 0),
+            cu_q_lens=jnp.arange(num_rows + 1, dtype=jnp.int32),
+            kv_lens=jnp.where(active, next_positions + k, 0),
+            page_table=jnp.where(active[:, None], page_table, 0),
+        )
+        batch = ModelInput(tokens[:, k - 1], md, rows)
+        logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
+        tok, conf, ent, still = draft_one(logits, k, active, cum_conf)
+        tokens = tokens.at[:, k].set(tok)
+        logits_buf = logits_buf.at[:, k].set(logits)
+        conf_buf = conf_buf.at[:, k].set(conf)
+        ent_buf = ent_buf.at[:, k].set(ent)
+        num_drafted = num_drafted + still.astype(jnp.int32)
+        cum_conf = jnp.where(still, cum_conf * conf, cum_conf)
+        return k + 1, still, kv, tokens, logits_buf, conf_buf, ent_buf, num_drafted, cum_conf
+
+    state = (jnp.int32(1), active, kv, tokens, logits_buf, conf_buf, ent_buf, num_drafted,
+             cum_conf)
+    _, _, kv, tokens, logits_buf, conf_buf, ent_buf, num_drafted, _ = jax.lax.while_loop(
+        cond, body, state)
+    return DraftResult(tokens, logits_buf, num_drafted, conf_buf, ent_buf), kv
+
+
+def verify_forward(
+    params: dict,
+    kv: KVCache,
+    batch: ModelInput,
+    draft_tokens: jax.Array,
+    draft_slots: jax.Array,
+    *,
+    cfg: ModelConfig,
+    attention_fn,
+) -> tuple[jax.Array, KVCache]:
+    """One target pass over the ragged batch; returns logits [S*(G+1), V].
+
+    The host built ``batch`` before the draft ran, with placeholders where drafted tokens go;
+    ``draft_slots [S, G]`` says which flat token each drafted token fills (out-of-range = not
+    verified), so the draft output never visits the host. ``batch.logits_indices`` is laid out
+    densely as [S, G+1]: row i, column j is the position whose logits judge draft token j+1 (and
+    column γ_i gives the bonus); prefill rows use column 0.
+    """
+    input_ids = batch.input_ids.at[draft_slots.reshape(-1)].set(
+        draft_tokens.reshape(-1), mode="drop")
+    batch = ModelInput(input_ids, batch.attn, batch.logits_indices)
+    return forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
+
+
+def accept(
+    target_logits: jax.Array,
+    draft_logits: jax.Array,
+    draft_tokens: jax.Array,
+    num_drafted: jax.Array,
+    st: SamplingTensors,
+) -> VerifyResult:
+    """Rejection sampling over the [S*(G+1), V] verify logits.
+
+    Kept apart from the forward so that it is compiled per (sequences, γ) bucket only, not once
+    more for every token bucket: sampling costs far more to compile than the forward does.
+    """
+    num_rows, gamma = draft_tokens.shape
+    logits = target_logits.reshape(num_rows, gamma + 1, target_logits.shape[-1])
+    return rejection_sample(logits, draft_logits, draft_tokens, num_drafted, st)
+
+
+def catch_up(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
+             attention_fn) -> KVCache:
+    """Feed tokens into a model's KV pool without sampling (the draft catching up)."""
+    _, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
+    return kv

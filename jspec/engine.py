@@ -1,0 +1,421 @@
+"""LLMEngine: one engine step = schedule, plan, draft, (select), verify, accept, observe, commit.
+
+The host side is plain Python/numpy; the device work is three compiled calls at most (draft
+catch-up, the draft loop, verify-and-sample) and one host<-device transfer of the step's results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Iterable
+
+import jax
+import numpy as np
+
+from jspec import input_batch as ib
+from jspec.block_manager import BlockManager
+from jspec.config import EngineConfig, gamma_bucket, gamma_buckets, resolve
+from jspec.detokenizer import IncrementalDetokenizer, find_stop
+from jspec.metrics import EngineMetrics
+from jspec.outputs import RequestOutput, SpecStats
+from jspec.runner import LoadedModel, ModelRunner
+from jspec.sampling_params import SamplingParams
+from jspec.scheduler import Scheduler, SchedulerConfig
+from jspec.sequence import Sequence, SequenceStatus
+from models.transformer import KVCache
+from policies import BatchView, DraftStats, Policy, StepOutcome, make_policy
+from policies.static import OffPolicy
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    max_tokens: int  # max_tokens clipped to what max_model_len leaves
+    arrival_time: float
+    text_end: int | None = None  # text cut at a stop string
+    finish_time: float | None = None
+    last_text_len: int = 0
+    last_num_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None,
+                 config: EngineConfig | None = None, tokenizer=None,
+                 policy: Policy | None = None):
+        config = config or EngineConfig()
+        if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({draft.cfg.vocab_size} tokens) differs from the target's "
+                f"({target.cfg.vocab_size}); speculative decoding needs a shared vocabulary")
+        if draft is None:
+            # Without a draft there is nothing to speculate with: plain decoding, no lookahead.
+            config = dataclasses.replace(config, num_speculative_tokens=0, policy="off")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.policy = policy or make_policy(config.policy, config.num_speculative_tokens,
+                                            **config.policy_kwargs)
+        if draft is None and not isinstance(self.policy, OffPolicy):
+            self.policy = OffPolicy(0)
+        self.max_gamma = config.num_speculative_tokens
+        if self.policy.max_gamma > self.max_gamma:
+            raise ValueError(f"policy max_gamma={self.policy.max_gamma} exceeds "
+                             f"num_speculative_tokens={self.max_gamma}")
+        kv_dtype = np.dtype(jax.numpy.bfloat16) if config.dtype == "bfloat16" else np.float32
+        bytes_per_block = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
+        if draft is not None:
+            bytes_per_block += KVCache.bytes_per_block(draft.cfg, config.block_size, kv_dtype)
+        self.rc = resolve(config, target.cfg.max_position_embeddings, bytes_per_block)
+        self.gamma_buckets = gamma_buckets(self.policy.possible_gammas(), self.max_gamma) \
+            if draft is not None else (0,)
+        self.block_manager = BlockManager(self.rc.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.rc.max_num_batched_tokens,
+            max_model_len=self.rc.max_model_len,
+            lookahead_slots=self.max_gamma,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        ), self.block_manager)
+        self.runner = ModelRunner(target, draft, self.rc, self.gamma_buckets, kv_dtype)
+        self.target, self.draft = target, draft
+        self.metrics = EngineMetrics(max_gamma=self.max_gamma)
+        self.eos_token_ids = set(target.cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        self._requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._pending_outputs: list[RequestOutput] = []
+        self.last_outcome: StepOutcome | None = None
+        if config.warmup:
+            self.warmup()
+
+    # ------------------------------------------------------------------ requests
+    def warmup(self, progress=None) -> int:
+        return self.runner.warmup(progress)
+
+    def validate_request(self, prompt: str | list[int], sampling_params: SamplingParams
+                         ) -> list[int]:
+        """Tokenize and check a request; raise ValueError naming the problem before anything
+        runs."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got "
+                             f"{type(sampling_params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.target.cfg.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        limit = self.rc.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limit} "
+                             f"(at least one token must remain for the output)")
+        capacity = (self.block_manager.num_usable_blocks) * self.config.block_size
+        if len(token_ids) + 1 > capacity:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but the KV cache holds only "
+                             f"{capacity} token slots")
+        return token_ids
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        sampling_params = sampling_params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.validate_request(prompt, sampling_params)
+        seed = sampling_params.seed
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2**32))
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seq = Sequence(request_id=request_id, prompt_token_ids=token_ids,
+                       sampling_params=sampling_params, arrival_index=next(self._arrivals),
+                       arrival_time=now, seed=seed)
+        capacity = self.block_manager.num_usable_blocks * self.config.block_size
+        max_tokens = min(sampling_params.max_tokens, self.rc.max_model_len - len(token_ids),
+                         capacity - len(token_ids))
+        self._requests[request_id] = _Request(
+            seq=seq, prompt=prompt if isinstance(prompt, str) else None,
+            detok=IncrementalDetokenizer(self.tokenizer), max_tokens=max_tokens,
+            arrival_time=now)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            self.scheduler.abort(rid)
+            req.seq.status = SequenceStatus.FINISHED_ABORTED
+            self.metrics.num_requests_aborted += 1
+            self._pending_outputs.append(self._finish(req))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        self.metrics.num_preemptions += len(sched.preempted)
+        if not sched.scheduled:
+            return outputs
+        rows = [ib.RowWork(s.seq, s.num_new_tokens, s.is_decode, s.samples, s.num_lookahead_slots)
+                for s in sched.scheduled]
+        decode_idx = [i for i, r in enumerate(rows) if r.is_decode]
+        decode_rows = [rows[i] for i in decode_idx]
+        num_prefill_tokens = sum(r.num_new_tokens for r in rows if not r.is_decode)
+        view = self._batch_view(rows, decode_rows, num_prefill_tokens)
+        plan = None
+        if decode_rows and self.draft is not None:
+            plan = self.policy.plan(view)
+            for row, gamma in zip(decode_rows, plan.gammas):
+                req = self._requests[row.seq.request_id]
+                # never draft past the request's last token or the reserved KV slots
+                room = req.max_tokens - row.seq.num_output_tokens - 1
+                row.gamma = int(max(0, min(int(gamma), room, row.lookahead)))
+        max_gamma = max((r.gamma for r in decode_rows), default=0)
+        gamma = gamma_bucket(self.gamma_buckets, max_gamma)
+        num_rows = self.rc.seq_bucket(len(rows))
+        table = ib.page_tables(rows, num_rows, self.rc.max_pages, self.block_manager)
+        st = ib.sampling_tensors(rows, num_rows)
+
+        # -- draft: catch up on lagging KV, then the on-device draft loop
+        catch_up_time = draft_time = 0.0
+        catch_up_tokens = 0
+        draft = None
+        if gamma > 0:
+            t0 = time.perf_counter()
+            segments = ib.catch_up_segments(rows)
+            if segments:
+                for chunk in ib.pack_catch_up(segments, self.rc.max_num_batched_tokens,
+                                              self.config.max_num_seqs):
+                    n = sum(end - first for _, _, first, end in chunk)
+                    catch_up_tokens += n
+                    batch = ib.catch_up_input(chunk, self.rc.token_bucket(n),
+                                              self.rc.seq_bucket(len(chunk)), table)
+                    self.runner.run_catch_up(batch)
+                for seq, _, _, end in segments:
+                    seq.num_draft_computed = end
+                self.runner.sync_draft()
+                catch_up_time = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            first, next_positions, gammas = ib.draft_first_input(rows, num_rows, table)
+            stop_conf = np.zeros(num_rows, np.float32)
+            stop_ent = np.full(num_rows, np.inf, np.float32)
+            if plan is not None and plan.stop_confidence is not None:
+                stop_conf[decode_idx] = plan.stop_confidence
+            if plan is not None and plan.stop_entropy is not None:
+                stop_ent[decode_idx] = plan.stop_entropy
+            draft = self.runner.run_draft(first, next_positions, table, gammas, stop_conf,
+                                          stop_ent, st, gamma)
+            num_drafted = draft.num_drafted
+            if self.policy.wants_select:
+                num_drafted = self._select(view, decode_idx, decode_rows, draft)
+            else:
+                jax.block_until_ready(num_drafted)
+            draft_time = time.perf_counter() - t0
+
+        # -- verify: one target pass over the ragged batch, rejection sampling on device
+        t0 = time.perf_counter()
+        num_tokens = sum((1 + r.gamma) if r.is_decode else r.num_new_tokens for r in rows)
+        batch, slots = ib.verify_input(rows, self.rc.token_bucket(num_tokens), num_rows, gamma,
+                                       table)
+        if draft is None:
+            vocab = self.target.cfg.vocab_size
+            draft_tokens = np.zeros((num_rows, 0), np.int32)
+            draft_logits = np.zeros((num_rows, 0, vocab), np.float32)
+            num_drafted = np.zeros(num_rows, np.int32)
+        else:
+            draft_tokens, draft_logits = draft.tokens, draft.logits
+        result = self.runner.run_verify(batch, draft_tokens, slots, draft_logits, num_drafted,
+                                        st, gamma)
+        result = jax.device_get(result)  # the step's one host<-device transfer of results
+        drafted_host = np.asarray(jax.device_get(num_drafted))
+        verify_time = time.perf_counter() - t0
+
+        # -- commit
+        outputs += self._commit(rows, result, drafted_host)
+        step_time = time.perf_counter() - t_start
+        m = self.metrics
+        m.num_steps += 1
+        m.num_prefill_tokens += num_prefill_tokens
+        m.step_time += step_time
+        m.draft_time += draft_time
+        m.verify_time += verify_time
+        m.catch_up_time += catch_up_time
+        m.catch_up_tokens += catch_up_tokens
+        m.host_time += step_time - draft_time - verify_time - catch_up_time
+        if decode_rows:
+            outcome = self._outcome(view, rows, decode_idx, result, drafted_host, step_time,
+                                    draft_time, verify_time, catch_up_time, catch_up_tokens,
+                                    num_prefill_tokens, gamma)
+            m.record_spec(outcome.gammas, outcome.num_verified, outcome.num_accepted,
+                          outcome.num_emitted)
+            self.policy.observe(outcome)
+            self.last_outcome = outcome
+        return outputs
+
+    def _batch_view(self, rows, decode_rows, num_prefill_tokens) -> BatchView:
+        return BatchView(
+            request_ids=[r.seq.request_id for r in decode_rows],
+            context_lens=np.array([r.seq.num_tokens for r in decode_rows], np.int64),
+            pending_draft_tokens=np.array(
+                [r.seq.num_tokens - r.seq.num_draft_computed for r in decode_rows], np.int64),
+            batch_size=len(rows),
+            num_prefill_tokens=num_prefill_tokens,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_usable_blocks,
+            draft_resident=self.draft is not None,
+            max_gamma=self.max_gamma,
+        )
+
+    def _select(self, view, idx, decode_rows, draft) -> np.ndarray:
+        drafted, conf, ent = jax.device_get((draft.num_drafted, draft.confidence, draft.entropy))
+        stats = DraftStats(num_drafted=drafted[idx], confidence=conf[idx],
+                           draft_entropy=ent[idx])
+        lens = self.policy.select(view, stats)
+        if lens is None:
+            return drafted
+        lens = np.minimum(np.maximum(np.asarray(lens, np.int64), 0), drafted[idx])
+        out = np.array(drafted, np.int32)
+        for r, i, n in zip(decode_rows, idx, lens):
+            # verify only the kept prefix; the slots past it are dropped from the target batch
+            r.gamma = int(n)
+            out[i] = int(n)
+        return out
+
+    def _outcome(self, view, rows, decode_idx, result, drafted, step_time, draft_time,
+                 verify_time, catch_up_time, catch_up_tokens, num_prefill_tokens, gamma
+                 ) -> StepOutcome:
+        idx = np.array(decode_idx)
+        decode_rows = [rows[i] for i in decode_idx]
+        n = len(decode_rows)
+        gammas = np.array([r.gamma for r in decode_rows], np.int64)
+        verified = np.minimum(drafted[idx], gammas) if gamma else np.zeros(n, np.int64)
+        accepted = np.minimum(result.num_accepted[idx], verified)
+        emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
+
+        def signal(a):
+            out = np.full((n, self.max_gamma), np.nan, np.float32)
+            if gamma:
+                vals = np.asarray(a)[idx]
+                mask = np.arange(gamma)[None, :] < verified[:, None]
+                out[:, :gamma] = np.where(mask, vals, np.nan)
+            return out
+
+        return StepOutcome(
+            request_ids=view.request_ids, gammas=gammas, num_drafted=np.asarray(drafted)[idx],
+            num_verified=verified, num_accepted=accepted, num_emitted=emitted,
+            batch_size=len(rows), step_time=step_time, draft_time=draft_time,
+            verify_time=verify_time, catch_up_time=catch_up_time,
+            catch_up_tokens=catch_up_tokens, num_prefill_tokens=num_prefill_tokens,
+            accept_prob=signal(result.accept_prob), kl=signal(result.kl),
+            draft_entropy=signal(result.draft_entropy), confidence=signal(result.confidence))
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, rows, result, drafted) -> list[RequestOutput]:
+        outputs = []
+        now = time.perf_counter()
+        for i, row in enumerate(rows):
+            seq = row.seq
+            req = self._requests[seq.request_id]
+            old_num_tokens = seq.num_tokens
+            row.num_emitted = 0
+            if not row.samples:  # a prefill chunk that does not reach the end yet
+                seq.num_computed += row.num_new_tokens
+                continue
+            if row.is_decode:
+                n = int(min(result.num_accepted[i], row.gamma))
+                new_tokens = result.tokens[i, :n + 1].tolist()
+                seq.num_computed = old_num_tokens + n
+                if row.gamma > 0:
+                    d = int(min(drafted[i], row.gamma))
+                    seq.num_draft_computed = min(old_num_tokens + max(d - 1, 0),
+                                                 old_num_tokens + n)
+                    seq.num_drafted += d
+                    seq.num_accepted += n
+                    seq.num_spec_steps += 1
+            else:
+                new_tokens = [int(result.tokens[i, 0])]
+                seq.num_computed += row.num_new_tokens
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.num_steps += 1
+            status = None
+            for tok in new_tokens:
+                status = self._append(req, int(tok))
+                row.num_emitted += 1
+                if status is not None:
+                    break
+            self.metrics.num_generated_tokens += row.num_emitted
+            if status is not None:
+                seq.status = status
+                self.scheduler.finish(seq, status)
+                self.metrics.num_requests_finished += 1
+                outputs.append(self._finish(req))
+            else:
+                # roll back: free whole blocks past the tokens we keep (rejected drafts' KV)
+                self.block_manager.truncate(seq.request_id, seq.num_tokens)
+                outputs.append(self._output(req))
+        return outputs
+
+    def _append(self, req: _Request, token: int) -> SequenceStatus | None:
+        seq = req.seq
+        sp: SamplingParams = seq.sampling_params
+        seq.output_token_ids.append(token)
+        before = len(req.detok.text)
+        delta = req.detok.add(token)
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if sp.stop and delta:
+            idx = find_stop(req.detok.text, len(req.detok.text) - before, sp.stop)
+            if idx != -1:
+                req.text_end = idx
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= req.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: _Request) -> RequestOutput:
+        req.finish_time = time.perf_counter()
+        self._requests.pop(req.seq.request_id, None)
+        return self._output(req)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        text = req.detok.text if req.text_end is None else req.detok.text[:req.text_end]
+        delta_text = text[req.last_text_len:]
+        delta_ids = seq.output_token_ids[req.last_num_tokens:]
+        req.last_text_len, req.last_num_tokens = len(text), seq.num_output_tokens
+        finished = seq.status.finished
+        return RequestOutput(
+            request_id=seq.request_id, prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids, text=text,
+            token_ids=list(seq.output_token_ids), delta_text=delta_text,
+            delta_token_ids=delta_ids, finished=finished,
+            finish_reason=seq.status.value if finished else None,
+            spec=SpecStats(seq.num_drafted, seq.num_accepted, seq.num_spec_steps, seq.num_steps),
+            metrics={"arrival_time": req.arrival_time, "first_token_time": seq.first_token_time,
+                     "finish_time": req.finish_time},
+        )

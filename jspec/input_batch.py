@@ -1,0 +1,183 @@
+"""Host-side (numpy) assembly of the flat ragged batches the device functions take.
+
+A step's rows are the scheduled sequences in schedule order, padded to the sequence bucket; the
+same row order is used by the draft loop and the verification so their [S, G] outputs line up
+without any host shuffling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jspec.block_manager import BlockManager
+from jspec.sampler import SamplingTensors
+from jspec.sequence import Sequence
+from models.transformer import ModelInput
+from pallas_kernels.ragged_paged_attention import AttentionMetadata
+
+
+@dataclasses.dataclass(eq=False)
+class RowWork:
+    """What one row does this step."""
+
+    seq: Sequence
+    num_new_tokens: int  # target tokens of the chunk (decode: 1, before drafts are added)
+    is_decode: bool
+    samples: bool  # the chunk reaches the end of the sequence: a token is emitted
+    lookahead: int = 0  # KV slots the scheduler reserved past the token: γ may not exceed it
+    gamma: int = 0  # planned draft length (decode rows only)
+    num_emitted: int = 0  # tokens appended at commit
+
+
+def _model_input(input_ids, positions, cu_q_lens, kv_lens, page_table, logits_indices):
+    return ModelInput(input_ids, AttentionMetadata(positions, cu_q_lens, kv_lens, page_table),
+                      logits_indices)
+
+
+def page_tables(rows: list[RowWork], num_rows: int, max_pages: int, bm: BlockManager
+                ) -> np.ndarray:
+    table = np.zeros((num_rows, max_pages), np.int32)
+    for i, row in enumerate(rows):
+        bm.fill_page_table(table, i, row.seq.request_id)
+    return table
+
+
+def sampling_tensors(rows: list[RowWork], num_rows: int) -> SamplingTensors:
+    temperature = np.zeros(num_rows, np.float32)
+    top_k = np.zeros(num_rows, np.int32)
+    top_p = np.ones(num_rows, np.float32)
+    seeds = np.zeros(num_rows, np.uint32)
+    counters = np.zeros(num_rows, np.int32)
+    for i, row in enumerate(rows):
+        sp = row.seq.sampling_params
+        temperature[i] = sp.temperature
+        top_k[i] = sp.top_k
+        top_p[i] = sp.top_p
+        seeds[i] = row.seq.seed
+        counters[i] = row.seq.num_tokens
+    return SamplingTensors(temperature, top_k, top_p, seeds, counters)
+
+
+def verify_input(rows: list[RowWork], num_tokens: int, num_rows: int, gamma: int,
+                 table: np.ndarray) -> tuple[ModelInput, np.ndarray]:
+    """The target batch (drafted tokens as placeholders) and where the drafts go.
+
+    Returns (batch, draft_slots [S, G]); a slot of ``num_tokens`` means "not verified" (dropped
+    by the device-side scatter).
+    """
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    cu_q_lens = np.zeros(num_rows + 1, np.int32)
+    kv_lens = np.zeros(num_rows, np.int32)
+    logits_indices = np.zeros((num_rows, gamma + 1), np.int32)
+    draft_slots = np.full((num_rows, max(gamma, 0)), num_tokens, np.int32)
+    cols = np.arange(gamma + 1)
+    start = 0
+    for i, row in enumerate(rows):
+        seq = row.seq
+        first = seq.num_computed
+        if row.is_decode:
+            q_len = 1 + row.gamma
+            input_ids[start] = seq.token_at(first)
+            logits_indices[i] = start + np.minimum(cols, row.gamma)
+            if row.gamma:
+                draft_slots[i, :row.gamma] = start + 1 + np.arange(row.gamma)
+        else:
+            q_len = row.num_new_tokens
+            input_ids[start:start + q_len] = seq.token_ids()[first:first + q_len]
+            logits_indices[i] = start + q_len - 1
+        positions[start:start + q_len] = np.arange(first, first + q_len)
+        kv_lens[i] = first + q_len
+        start += q_len
+        cu_q_lens[i + 1] = start
+    cu_q_lens[len(rows) + 1:] = start
+    batch = _model_input(input_ids, positions, cu_q_lens, kv_lens, table,
+                         logits_indices.reshape(-1))
+    return batch, draft_slots
+
+
+def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray
+                      ) -> tuple[ModelInput, np.ndarray, np.ndarray]:
+    """Iteration 0 of the draft loop: each drafting row feeds its pending tokens (1 or 2).
+
+    Returns (batch with 2*S tokens and S logits rows, next_positions [S], gammas [S]).
+    """
+    num_tokens = 2 * num_rows
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    cu_q_lens = np.zeros(num_rows + 1, np.int32)
+    kv_lens = np.zeros(num_rows, np.int32)
+    logits_indices = np.zeros(num_rows, np.int32)
+    next_positions = np.zeros(num_rows, np.int32)
+    gammas = np.zeros(num_rows, np.int32)
+    start = 0
+    for i, row in enumerate(rows):
+        if row.gamma > 0:
+            seq = row.seq
+            first, end = seq.num_draft_computed, seq.num_tokens
+            q_len = end - first
+            assert 1 <= q_len <= 2, "draft lag must be caught up before the draft loop"
+            for j in range(q_len):
+                input_ids[start + j] = seq.token_at(first + j)
+            positions[start:start + q_len] = np.arange(first, end)
+            kv_lens[i] = end
+            logits_indices[i] = start + q_len - 1
+            next_positions[i] = end
+            gammas[i] = row.gamma
+            start += q_len
+        cu_q_lens[i + 1] = start
+    cu_q_lens[len(rows) + 1:] = start
+    batch = _model_input(input_ids, positions, cu_q_lens, kv_lens, table, logits_indices)
+    return batch, next_positions, gammas
+
+
+def catch_up_segments(rows: list[RowWork]) -> list[tuple[Sequence, int, int, int]]:
+    """(seq, row index, first, end) of draft tokens to feed before drafting: everything but the
+    newest token, for drafting rows whose draft lags by more than 2 tokens."""
+    segments = []
+    for i, row in enumerate(rows):
+        seq = row.seq
+        if row.gamma > 0 and seq.num_tokens - seq.num_draft_computed > 2:
+            segments.append((seq, i, seq.num_draft_computed, seq.num_tokens - 1))
+    return segments
+
+
+def pack_catch_up(segments, budget: int, max_rows: int):
+    """Split catch-up segments into chunks of at most ``budget`` tokens and ``max_rows``
+    sequences; a long lag spans several chunks (each continues where the last stopped)."""
+    chunks, current, used = [], [], 0
+    for seq, row, first, end in segments:
+        while first < end:
+            if used == budget or len(current) == max_rows:
+                chunks.append(current)
+                current, used = [], 0
+            take = min(end - first, budget - used)
+            current.append((seq, row, first, first + take))
+            used += take
+            first += take
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def catch_up_input(chunk, num_tokens: int, num_rows: int, table: np.ndarray) -> ModelInput:
+    """table: the step's page table; rows of the chunk are picked from it."""
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    cu_q_lens = np.zeros(num_rows + 1, np.int32)
+    kv_lens = np.zeros(num_rows, np.int32)
+    chunk_table = np.zeros((num_rows, table.shape[1]), np.int32)
+    start = 0
+    for i, (seq, row, first, end) in enumerate(chunk):
+        n = end - first
+        input_ids[start:start + n] = seq.token_ids()[first:end]
+        positions[start:start + n] = np.arange(first, end)
+        kv_lens[i] = end
+        chunk_table[i] = table[row]
+        start += n
+        cu_q_lens[i + 1] = start
+    cu_q_lens[len(chunk) + 1:] = start
+    return _model_input(input_ids, positions, cu_q_lens, kv_lens, chunk_table,
+                        np.zeros(2, np.int32))

@@ -1,0 +1,130 @@
+"""The offline API: ``LLM(target=..., draft=...)`` then ``generate`` / ``chat``, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Sequence as Seq
+
+from jspec.config import EngineConfig
+from jspec.outputs import RequestOutput
+from jspec.sampling_params import SamplingParams
+
+
+def load_model(path: str | os.PathLike, dtype: str, name: str):
+    """A HF checkpoint directory -> LoadedModel (params on the default device)."""
+    import jax.numpy as jnp
+
+    from jspec.runner import LoadedModel
+    from models.loader import load_checkpoint
+
+    cfg, params = load_checkpoint(path, dtype=jnp.bfloat16 if dtype == "bfloat16"
+                                  else jnp.float32)
+    return LoadedModel(cfg=cfg, params=params, name=name)
+
+
+def build_engine(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None,
+                 *, tokenizer: str | os.PathLike | None = None,
+                 policy_obj=None, **engine_kwargs: Any):
+    """Load the models and build an LLMEngine; ``target=None`` uses the built-in default pair."""
+    from jspec.default_models import default_pair
+    from jspec.engine import LLMEngine
+    from models.loader import load_tokenizer
+
+    if target is None:
+        if draft is not None:
+            raise ValueError("a draft was given without a target; give both or neither")
+        target, draft = default_pair()
+    policy_options = engine_kwargs.pop("policy_options", None) or {}
+    config = EngineConfig(policy_options=tuple(sorted(policy_options.items())), **engine_kwargs)
+    target_model = load_model(target, config.dtype, "target")
+    draft_model = load_model(draft, config.dtype, "draft") if draft is not None else None
+    tok = load_tokenizer(tokenizer or target)
+    return LLMEngine(target_model, draft_model, config, tokenizer=tok, policy=policy_obj)
+
+
+class LLM:
+    """Offline batched generation with speculative decoding.
+
+    >>> llm = LLM()                                   # built-in default pair
+    >>> llm = LLM(target="path/to/target", draft="path/to/draft", policy="static",
+    ...           num_speculative_tokens=4)
+    >>> outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
+    >>> outs[0].text, outs[0].spec.acceptance_rate
+
+    Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
+    ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
+    ``dtype``, ``seed``, ``policy_options``, ``warmup``) are those of ``EngineConfig``.
+    """
+
+    def __init__(self, target: str | os.PathLike | None = None,
+                 draft: str | os.PathLike | None = None, *, policy: str = "static",
+                 num_speculative_tokens: int = 4, dtype: str = "bfloat16",
+                 tokenizer: str | os.PathLike | None = None, **engine_kwargs: Any):
+        self.engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy,
+                                   num_speculative_tokens=num_speculative_tokens, dtype=dtype,
+                                   **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def metrics(self) -> dict:
+        return self.engine.metrics.as_dict()
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} "
+                                 f"prompts")
+        # validate everything before anything runs
+        for prompt, sp in zip(prompts, params_list):
+            self.engine.validate_request(prompt, sp)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, sp in zip(ids, prompts, params_list):
+            self.engine.add_request(rid, prompt, sp)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        from models.loader import apply_chat_template
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
+        out_tokens = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        out_tokens += len(out.token_ids)
+                        bar.update(1)
+                        m = self.engine.metrics
+                        bar.set_postfix(tok_s=f"{out_tokens / max(m.step_time, 1e-9):.1f}",
+                                        accept=f"{m.acceptance_rate:.2f}")
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

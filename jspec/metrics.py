@@ -1,0 +1,63 @@
+"""Engine counters, read as a dict (the server exports them to Prometheus under the same names)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    max_gamma: int
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+    # speculation (names follow vLLM's spec_decode_* metrics)
+    spec_decode_num_drafts: int = 0  # sequence-steps that drafted
+    spec_decode_num_draft_tokens: int = 0  # drafted tokens sent to verification
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0  # tokens emitted by drafting sequence-steps
+    # time (seconds, summed over steps)
+    step_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    catch_up_time: float = 0.0
+    catch_up_tokens: int = 0
+    host_time: float = 0.0  # step time outside device work (scheduling, batching, commit)
+
+    def __post_init__(self):
+        self.accepted_per_position = np.zeros(self.max_gamma, np.int64)
+        self.gamma_histogram = np.zeros(self.max_gamma + 1, np.int64)
+
+    def record_spec(self, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
+                    num_emitted: np.ndarray) -> None:
+        np.add.at(self.gamma_histogram, np.minimum(gammas, self.max_gamma), 1)
+        drafting = num_verified > 0
+        self.spec_decode_num_drafts += int(drafting.sum())
+        self.spec_decode_num_draft_tokens += int(num_verified.sum())
+        self.spec_decode_num_accepted_tokens += int(num_accepted.sum())
+        self.spec_decode_num_emitted_tokens += int(num_emitted[drafting].sum())
+        for n in num_accepted[drafting]:
+            self.accepted_per_position[:n] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        d = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / d if d else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        d = self.spec_decode_num_drafts
+        return (self.spec_decode_num_accepted_tokens + d) / d if d else 0.0
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["accepted_per_position"] = self.accepted_per_position.tolist()
+        out["gamma_histogram"] = self.gamma_histogram.tolist()
+        out["acceptance_rate"] = self.acceptance_rate
+        out["mean_accepted_length"] = self.mean_accepted_length
+        return out

@@ -1,0 +1,49 @@
+"""What the engine returns: vLLM-shaped request outputs plus speculation statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculation statistics of one request so far."""
+
+    num_drafted: int = 0  # draft tokens sent to verification
+    num_accepted: int = 0
+    num_spec_steps: int = 0  # decode steps that drafted (γ > 0)
+    num_steps: int = 0  # steps that emitted tokens for this request
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative step (accepted drafts + the bonus/correction token)."""
+        if not self.num_spec_steps:
+            return 0.0
+        return (self.num_accepted + self.num_spec_steps) / self.num_spec_steps
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One request's state after a step. ``text``/``token_ids`` are cumulative; ``delta_text`` /
+    ``delta_token_ids`` are what this step added (for streaming)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    spec: SpecStats
+    metrics: dict = dataclasses.field(default_factory=dict)  # arrival, first token, finish times
+
+    # vLLM-style accessors so code written for vLLM reads naturally
+    @property
+    def outputs(self) -> list["RequestOutput"]:
+        return [self]

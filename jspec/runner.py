@@ -1,0 +1,248 @@
+"""Model runner: the models' params and KV pools on device, and their compiled step functions.
+
+Every device function is compiled ahead of time once per shape bucket (``jax.jit(...).lower(
+specs).compile()``) and kept in a process-wide cache keyed by everything that determines the
+executable, so two engines over the same models share compilations. ``warmup`` compiles every
+bucket the engine can reach; after it, serving never compiles (``compile_events`` counts every XLA
+compilation in the process, so tests can assert that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import device_steps
+from jspec.config import ResolvedConfig
+from jspec.sampler import SamplingTensors
+from models.config import ModelConfig
+from models.transformer import KVCache, ModelInput
+from pallas_kernels.ragged_paged_attention import (
+    AttentionMetadata,
+    ragged_paged_attention_reference,
+)
+
+# ----------------------------------------------------------------------------- compile tracking
+_compile_lock = threading.Lock()
+_backend_compiles = [0]
+
+
+def _on_event(event: str, duration: float, **_: Any) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _backend_compiles[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_events() -> int:
+    """XLA backend compilations so far in this process (ours and anyone else's)."""
+    return _backend_compiles[0]
+
+
+_EXECUTABLES: dict[tuple, Any] = {}
+
+
+def _spec(tree):
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _attention_fn(backend: str) -> Callable:
+    if backend == "reference":
+        return ragged_paged_attention_reference
+    raise ValueError(f"attention_backend {backend!r} is not available; available: reference")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    params: dict
+    name: str = "model"
+
+
+class ModelRunner:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, rc: ResolvedConfig,
+                 gamma_buckets: tuple[int, ...], kv_dtype):
+        self.target = target
+        self.draft = draft
+        self.rc = rc
+        self.gamma_buckets = gamma_buckets
+        self.kv_dtype = kv_dtype
+        self.attention_backend = rc.engine.attention_backend
+        self._attn = _attention_fn(self.attention_backend)
+        self.target_kv = KVCache.create(target.cfg, rc.num_kv_blocks, rc.engine.block_size,
+                                        kv_dtype)
+        self.draft_kv = (KVCache.create(draft.cfg, rc.num_kv_blocks, rc.engine.block_size,
+                                        kv_dtype) if draft is not None else None)
+        self._local: dict[tuple, Any] = {}
+        self.num_compiled = 0  # executables this runner had to build (not found in the cache)
+        self.compile_seconds = 0.0
+
+    # ------------------------------------------------------------------ executables
+    def _executable(self, key: tuple, build: Callable[[], Any]):
+        exe = self._local.get(key)
+        if exe is not None:
+            return exe
+        full_key = (key, self.target.cfg, self.draft.cfg if self.draft else None,
+                    str(self.kv_dtype), self.rc.num_kv_blocks, self.rc.engine.block_size,
+                    self.rc.max_pages, self.attention_backend,
+                    str(jax.tree_util.tree_leaves(self.target.params)[0].dtype),
+                    str(jax.tree_util.tree_leaves(self.draft.params)[0].dtype)
+                    if self.draft else None)
+        with _compile_lock:
+            exe = _EXECUTABLES.get(full_key)
+            if exe is None:
+                t0 = time.perf_counter()
+                exe = build()
+                self.compile_seconds += time.perf_counter() - t0
+                self.num_compiled += 1
+                _EXECUTABLES[full_key] = exe
+        self._local[key] = exe
+        return exe
+
+    def _input_spec(self, num_tokens: int, num_seqs: int, num_logits: int) -> ModelInput:
+        i32 = jnp.int32
+        return ModelInput(
+            input_ids=jax.ShapeDtypeStruct((num_tokens,), i32),
+            attn=AttentionMetadata(
+                positions=jax.ShapeDtypeStruct((num_tokens,), i32),
+                cu_q_lens=jax.ShapeDtypeStruct((num_seqs + 1,), i32),
+                kv_lens=jax.ShapeDtypeStruct((num_seqs,), i32),
+                page_table=jax.ShapeDtypeStruct((num_seqs, self.rc.max_pages), i32),
+            ),
+            logits_indices=jax.ShapeDtypeStruct((num_logits,), i32),
+        )
+
+    @staticmethod
+    def _sampling_spec(num_seqs: int) -> SamplingTensors:
+        s = (num_seqs,)
+        return SamplingTensors(
+            temperature=jax.ShapeDtypeStruct(s, jnp.float32),
+            top_k=jax.ShapeDtypeStruct(s, jnp.int32),
+            top_p=jax.ShapeDtypeStruct(s, jnp.float32),
+            seeds=jax.ShapeDtypeStruct(s, jnp.uint32),
+            counters=jax.ShapeDtypeStruct(s, jnp.int32),
+        )
+
+    def verify_executable(self, num_tokens: int, num_seqs: int, gamma: int):
+        def build():
+            fn = functools.partial(device_steps.verify_forward, cfg=self.target.cfg,
+                                   attention_fn=self._attn)
+            specs = (
+                _spec(self.target.params), _spec(self.target_kv),
+                self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
+                jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
+                jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
+            )
+            return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
+
+        return self._executable(("verify", num_tokens, num_seqs, gamma), build)
+
+    def accept_executable(self, num_seqs: int, gamma: int):
+        def build():
+            vocab = self.target.cfg.vocab_size
+            specs = (
+                jax.ShapeDtypeStruct((num_seqs * (gamma + 1), vocab), jnp.float32),
+                jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
+                jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
+                jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+                self._sampling_spec(num_seqs),
+            )
+            return jax.jit(device_steps.accept).lower(*specs).compile()
+
+        return self._executable(("accept", num_seqs, gamma), build)
+
+    def draft_executable(self, num_seqs: int, gamma: int):
+        def build():
+            fn = functools.partial(device_steps.draft_loop, cfg=self.draft.cfg,
+                                   num_steps=gamma, attention_fn=self._attn)
+            i32, f32 = jnp.int32, jnp.float32
+            s = (num_seqs,)
+            specs = (
+                _spec(self.draft.params), _spec(self.draft_kv),
+                self._input_spec(2 * num_seqs, num_seqs, num_seqs),
+                jax.ShapeDtypeStruct(s, i32),
+                jax.ShapeDtypeStruct((num_seqs, self.rc.max_pages), i32),
+                jax.ShapeDtypeStruct(s, i32),
+                jax.ShapeDtypeStruct(s, f32),
+                jax.ShapeDtypeStruct(s, f32),
+                self._sampling_spec(num_seqs),
+            )
+            return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
+
+        return self._executable(("draft", num_seqs, gamma), build)
+
+    def catch_up_executable(self, num_tokens: int, num_seqs: int):
+        def build():
+            fn = functools.partial(device_steps.catch_up, cfg=self.draft.cfg,
+                                   attention_fn=self._attn)
+            specs = (_spec(self.draft.params), _spec(self.draft_kv),
+                     self._input_spec(num_tokens, num_seqs, 2))
+            return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
+
+        return self._executable(("catch_up", num_tokens, num_seqs), build)
+
+    # ------------------------------------------------------------------ running
+    def run_verify(self, batch: ModelInput, draft_tokens, draft_slots, draft_logits, num_drafted,
+                   st: SamplingTensors, gamma: int):
+        num_seqs = batch.attn.kv_lens.shape[0]
+        forward = self.verify_executable(batch.input_ids.shape[0], num_seqs, gamma)
+        logits, self.target_kv = forward(self.target.params, self.target_kv, batch, draft_tokens,
+                                         draft_slots)
+        return self.accept_executable(num_seqs, gamma)(logits, draft_logits, draft_tokens,
+                                                       num_drafted, st)
+
+    def run_draft(self, first: ModelInput, next_positions, page_table, gammas, stop_confidence,
+                  stop_entropy, st: SamplingTensors, gamma: int):
+        exe = self.draft_executable(gammas.shape[0], gamma)
+        result, self.draft_kv = exe(self.draft.params, self.draft_kv, first, next_positions,
+                                    page_table, gammas, stop_confidence, stop_entropy, st)
+        return result
+
+    def run_catch_up(self, batch: ModelInput) -> None:
+        exe = self.catch_up_executable(batch.input_ids.shape[0], batch.attn.kv_lens.shape[0])
+        self.draft_kv = exe(self.draft.params, self.draft_kv, batch)
+
+    def sync_draft(self) -> None:
+        if self.draft_kv is not None:
+            self.draft_kv.k.block_until_ready()
+
+    # ------------------------------------------------------------------ warm-up
+    def bucket_plan(self) -> list[tuple]:
+        """Every (kind, shape...) the engine can reach.
+
+        A verify bucket (t tokens, s sequence rows, γ bucket g) is reachable when a step that
+        rounds up to it can exist: more sequences than the previous sequence bucket, each with at
+        least one token, one of them drafting more than the previous γ bucket.
+        """
+        rc = self.rc
+        drafting = [g for g in self.gamma_buckets if g > 0] if self.draft is not None else []
+        gammas = [0] + drafting
+        plan = []
+        for si, s in enumerate(rc.seq_buckets):
+            min_seqs = rc.seq_buckets[si - 1] + 1 if si else 1
+            for gi, g in enumerate(gammas):
+                min_drafted = gammas[gi - 1] + 1 if gi else 0
+                plan += [("verify", t, s, g) for t in rc.token_buckets
+                         if t >= min_seqs + min_drafted]
+            plan += [("accept", s, g) for g in gammas]
+            plan += [("draft", s, g) for g in drafting]
+            if self.draft is not None:
+                plan += [("catch_up", t, s) for t in rc.token_buckets if t >= min_seqs]
+        return plan
+
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
+        plan = self.bucket_plan()
+        for i, item in enumerate(plan):
+            kind, *shape = item
+            getattr(self, f"{kind}_executable")(*shape)
+            if progress is not None:
+                progress(i + 1, len(plan))
+        return len(plan)

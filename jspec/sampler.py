@@ -1,0 +1,198 @@
+"""On-device sampling: logit processing, draft sampling, lossless rejection sampling, signals.
+
+Everything here is jittable and batched over sequence rows. Each row carries its own sampling
+parameters (temperature 0 = greedy) and its own PRNG key, derived from the request's seed and the
+sequence length at the step, so a seeded request samples the same tokens whatever else shares
+its batch.
+
+Lossless rule (papers.md, "Lossless speculative step"): a drafted token x_j is accepted with
+probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection the emitted token is sampled from
+norm(max(0, p_j - q_j)); if every drafted token is accepted the bonus token is sampled from
+p_{γ+1}. p and q are the *processed* distributions (temperature, top-k, top-p applied to both).
+Greedy rows use one-hot distributions: accept iff x_j == argmax p_j, emit argmax p at the first
+mismatch (or as the bonus).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+_PROB_FLOOR = 1e-8  # clamp before logs for KL / entropy signals
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_k", "top_p", "seeds", "counters"],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class SamplingTensors:
+    """Per-row sampling state, [S] each. counters make each step's key distinct."""
+
+    temperature: jax.Array  # float32, 0 = greedy
+    top_k: jax.Array  # int32, 0 = off
+    top_p: jax.Array  # float32, 1 = off
+    seeds: jax.Array  # uint32
+    counters: jax.Array  # int32 (the sequence length when the step starts)
+
+
+def row_uniforms(st: SamplingTensors, stream: int, count: int) -> jax.Array:
+    """``count`` uniforms in (0, 1] per row for a named random stream of this step: [S, count].
+
+    One threefry key per row (seed, then step counter and stream folded in together) and one
+    draw of all the numbers a step needs, which keeps both the compiled program and the run small.
+    """
+
+    def one(seed, counter):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), counter * 8 + stream)
+        return 1.0 - jax.random.uniform(key, (count,), jnp.float32)
+
+    return jax.vmap(one)(st.seeds, st.counters)
+
+
+def sample_from_probs(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse-CDF sampling, one uniform per draw: probs [S, V] (unnormalized is fine), u [S] in
+    (0, 1]. The chosen token is the first whose cumulative mass reaches u * total, so a token of
+    zero probability is never chosen."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    threshold = u[:, None] * cdf[:, -1:]
+    return jnp.minimum(jnp.sum(cdf < threshold, axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
+
+
+def processed_logprobs(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Log-probabilities after temperature, top-k and top-p, for random rows.
+
+    logits: [S, ..., V] float32. Rows are filtered by their own parameters. Greedy rows get
+    temperature 1 here; callers use argmax for them.
+    """
+    extra = logits.ndim - 2
+    expand = (slice(None),) + (None,) * (extra + 1)
+    temp = jnp.where(st.temperature > 0, st.temperature, 1.0)[expand]
+    x = logits / temp
+    vocab = x.shape[-1]
+    sorted_desc = -jnp.sort(-x, axis=-1)
+    # top-k: keep logits >= the k-th largest (ties kept, as the reference implementations do)
+    k = jnp.where(st.top_k > 0, jnp.minimum(st.top_k, vocab), vocab)[expand]
+    kth = jnp.take_along_axis(sorted_desc, k.astype(jnp.int32) - 1, axis=-1)
+    x = jnp.where(x >= kth, x, _NEG)
+    # top-p over the top-k-filtered distribution: keep the smallest prefix of sorted tokens whose
+    # mass reaches top_p (the token that crosses the threshold is kept)
+    sorted_desc = jnp.where(jnp.arange(vocab) < k, sorted_desc, _NEG)
+    sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    # top_p = 1 keeps everything, also the tail that float rounding would push past 1.0
+    keep_sorted = (mass_before < st.top_p[expand]) | (st.top_p[expand] >= 1.0)
+    num_keep = jnp.maximum(keep_sorted.sum(axis=-1, keepdims=True), 1)
+    threshold = jnp.take_along_axis(sorted_desc, num_keep - 1, axis=-1)
+    x = jnp.where(x >= threshold, x, _NEG)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def sample_draft_tokens(logits: jax.Array, st: SamplingTensors, u: jax.Array) -> jax.Array:
+    """Draft token per row: argmax for greedy rows, a sample from the processed q otherwise.
+
+    logits [S, V]; u [S] uniforms. The random branch (a sort over the vocabulary for top-k/top-p)
+    only runs when some row samples.
+    """
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        drawn = sample_from_probs(jnp.exp(processed_logprobs(logits, st)), u)
+        return jnp.where(st.temperature > 0, drawn, greedy_tokens)
+
+    return jax.lax.cond(jnp.any(st.temperature > 0), sampled, lambda _: greedy_tokens, None)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "num_accepted", "accept_prob", "kl", "draft_entropy", "confidence"],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class VerifyResult:
+    """tokens [S, G+1]: accepted drafts then the emitted token (row i emits num_accepted[i] + 1
+    tokens). Signals [S, G] per drafted position, from the raw (temperature 1) distributions."""
+
+    tokens: jax.Array
+    num_accepted: jax.Array
+    accept_prob: jax.Array
+    kl: jax.Array
+    draft_entropy: jax.Array
+    confidence: jax.Array
+
+
+def rejection_sample(
+    target_logits: jax.Array,
+    draft_logits: jax.Array,
+    draft_tokens: jax.Array,
+    num_drafted: jax.Array,
+    st: SamplingTensors,
+) -> VerifyResult:
+    """target_logits [S, G+1, V]; draft_logits [S, G, V]; draft_tokens [S, G]; num_drafted [S]."""
+    num_rows, width, vocab = target_logits.shape
+    gamma = width - 1
+    positions = jnp.arange(gamma)
+    drafted = positions[None, :] < num_drafted[:, None]  # [S, G]
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, G+1]
+
+    def first_false(ok):  # number of leading True per row
+        return jnp.argmin(jnp.concatenate([ok, jnp.zeros((num_rows, 1), bool)], axis=1), axis=1)
+
+    # ---- greedy rows
+    greedy_ok = (draft_tokens == target_argmax[:, :gamma]) & drafted
+    greedy_n = first_false(greedy_ok)
+    greedy_last = jnp.take_along_axis(target_argmax, greedy_n[:, None], axis=1)[:, 0]
+
+    # ---- random rows (only computed when some row samples)
+    def random_rows(_):
+        logp = processed_logprobs(target_logits, st)  # [S, G+1, V]
+        logq = processed_logprobs(draft_logits, st)  # [S, G, V]
+        p_tok = jnp.take_along_axis(logp[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]
+        q_tok = jnp.take_along_axis(logq, draft_tokens[..., None], axis=-1)[..., 0]
+        uniforms = row_uniforms(st, stream=1, count=gamma + 1)
+        # accept iff u * q <= p  (i.e. u <= p/q), computed in log space
+        ok = (jnp.log(uniforms[:, :gamma]) + q_tok <= p_tok) & drafted
+        n = first_false(ok)
+        p_n = jnp.exp(jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0])  # [S, V]
+        q_pad = jnp.concatenate([jnp.exp(logq), jnp.zeros((num_rows, 1, vocab))], axis=1)
+        q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
+        rejected = (n < num_drafted)[:, None]
+        residual = jnp.where(rejected, jnp.maximum(p_n - q_n, 0.0), p_n)
+        # p == q exactly leaves no residual mass; then sampling from p is the right limit
+        residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_n)
+        return n, sample_from_probs(residual, uniforms[:, gamma])
+
+    def no_random(_):
+        return greedy_n, greedy_last
+
+    rand_n, rand_last = jax.lax.cond(jnp.any(st.temperature > 0), random_rows, no_random, None)
+    is_greedy = st.temperature <= 0
+    num_accepted = jnp.where(is_greedy, greedy_n, rand_n).astype(jnp.int32)
+    last = jnp.where(is_greedy, greedy_last, rand_last)
+    tokens = jnp.concatenate([draft_tokens, jnp.zeros((num_rows, 1), jnp.int32)], axis=1)
+    tokens = _place_last(tokens, num_accepted, last)
+
+    # ---- signals from raw distributions, per drafted position
+    if gamma > 0:
+        logp_raw = jax.nn.log_softmax(target_logits[:, :gamma], axis=-1)
+        logq_raw = jax.nn.log_softmax(draft_logits, axis=-1)
+        p_raw, q_raw = jnp.exp(logp_raw), jnp.exp(logq_raw)
+        accept_prob = jnp.minimum(p_raw, q_raw).sum(-1)
+        log_p_c = jnp.log(jnp.maximum(p_raw, _PROB_FLOOR))
+        log_q_c = jnp.log(jnp.maximum(q_raw, _PROB_FLOOR))
+        kl = (p_raw * (log_p_c - log_q_c)).sum(-1)
+        entropy = -(q_raw * log_q_c).sum(-1)
+        confidence = jnp.take_along_axis(q_raw, draft_tokens[..., None], axis=-1)[..., 0]
+    else:
+        accept_prob = kl = entropy = confidence = jnp.zeros((num_rows, 0), jnp.float32)
+    return VerifyResult(tokens, num_accepted, accept_prob, kl, entropy, confidence)
+
+
+def _place_last(tokens: jax.Array, num_accepted: jax.Array, last: jax.Array) -> jax.Array:
+    col = jnp.arange(tokens.shape[1])[None, :]
+    return jnp.where(col == num_accepted[:, None], last[:, None], tokens)

@@ -1,0 +1,85 @@
+"""Per-request state on the host: tokens, how much of them each model's KV pool holds, status."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request's sequence.
+
+    ``num_computed`` counts the tokens whose K/V the target pool holds; ``num_draft_computed``
+    the same for the draft pool (it lags while the policy chooses γ = 0, and the draft catches up
+    before it drafts again). In steady decoding ``num_computed == num_tokens - 1``: the newest
+    token is fed in the next step.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    arrival_index: int  # monotonic: FCFS order, and "youngest" for preemption
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    num_draft_computed: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    seed: int = 0  # per-request PRNG seed (drawn by the engine when the request gave none)
+    num_preemptions: int = 0
+    # speculation statistics
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_spec_steps: int = 0
+    num_steps: int = 0
+    # time of the first output token (for TTFT); set by the engine
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens the target still has to process (1 in steady decoding)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed == 1
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget all KV; prompt + outputs so far are prefilled again."""
+        self.num_computed = 0
+        self.num_draft_computed = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

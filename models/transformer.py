@@ -1,0 +1,232 @@
+"""The decoder forward pass over a ragged flat token batch and a paged KV pool.
+
+One pure function serves prefill chunks, single-token decode and multi-token verification: the
+batch says how many new tokens each sequence brings (``cu_q_lens``), their positions, and which
+rows to return logits for (``logits_indices``). New K/V are written into the pool at the slots
+their positions map to through the page table, then attention reads everything from the pool.
+Padding tokens (past ``cu_q_lens[-1]``) write into the reserved null block 0, which no sequence
+ever owns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from pallas_kernels.ragged_paged_attention import (
+    AttentionMetadata,
+    ragged_paged_attention_reference,
+    token_sequence_ids,
+)
+
+AttentionFn = Callable[..., jax.Array]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass
+class KVCache:
+    """A model's paged KV pool: k and v are [layers, num_blocks, block_size, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> "KVCache":
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.kv_size * jnp.dtype(dtype).itemsize
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["input_ids", "attn", "logits_indices"],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class ModelInput:
+    """input_ids [T]; attention metadata; logits_indices [R] (flat token rows to score)."""
+
+    input_ids: jax.Array
+    attn: AttentionMetadata
+    logits_indices: jax.Array
+
+
+# ----------------------------------------------------------------------------- building blocks
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies in float32, computed the way the reference implementation does."""
+    dim = cfg.head_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
+    scaling = cfg.rope_scaling_dict
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x [T, heads, D]; cos/sin [T, D/2] float32."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- forward
+def forward(
+    params: dict,
+    kv: KVCache,
+    batch: ModelInput,
+    *,
+    cfg: ModelConfig,
+    attention_fn: AttentionFn = ragged_paged_attention_reference,
+    return_hidden: bool = False,
+):
+    """Returns (logits [R, vocab] float32, updated kv). Pure; jit with ``kv`` donated.
+
+    With ``return_hidden`` the final-norm hidden states at the logits rows are returned too
+    (training and distillation use them).
+    """
+    dtype = params["embed"].dtype
+    md = batch.attn
+    num_tokens = batch.input_ids.shape[0]
+    block_size = kv.k.shape[2]
+
+    x = params["embed"][batch.input_ids].astype(dtype)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    # Slot of every new token in the pool; padding tokens go to the null block.
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    valid = token_idx < md.cu_q_lens[-1]
+    token_seq = token_sequence_ids(md.cu_q_lens, num_tokens)
+    page = jnp.clip(md.positions // block_size, 0, md.page_table.shape[1] - 1)
+    blocks = jnp.where(valid, md.page_table[token_seq, page], 0)
+    offsets = jnp.where(valid, md.positions % block_size, token_idx % block_size)
+
+    q_size, kv_size = cfg.q_size, cfg.kv_size
+    sm_scale = cfg.head_dim ** -0.5
+
+    def layer(carry, xs):
+        x, k_pool, v_pool = carry
+        lp, i = xs
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
+        if cfg.qkv_bias:
+            qkv = qkv + lp["bqkv"].astype(jnp.float32)
+        qkv = qkv.astype(dtype)
+        q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_pool = k_pool.at[i, blocks, offsets].set(k.astype(k_pool.dtype))
+        v_pool = v_pool.at[i, blocks, offsets].set(v.astype(v_pool.dtype))
+        attn = attention_fn(q, k_pool, v_pool, i, md, sm_scale=sm_scale,
+                            sliding_window=cfg.sliding_window)
+        o = jnp.dot(attn.reshape(num_tokens, q_size), lp["wo"],
+                    preferred_element_type=jnp.float32)
+        if cfg.o_bias:
+            o = o + lp["bo"].astype(jnp.float32)
+        x = x + o.astype(dtype)
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        x = x + _dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"])
+        return (x, k_pool, v_pool), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, kv.k, kv.v), (params["layers"], layer_ids))
+    hidden = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)
+    logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    new_kv = KVCache(k_pool, v_pool)
+    if return_hidden:
+        return logits, new_kv, hidden
+    return logits, new_kv
+
+
+def dense_forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """Plain causal forward of one sequence [T] -> logits [T, vocab]; the test oracle and the
+    training forward. No KV cache, no paging."""
+    dtype = params["embed"].dtype
+    num_tokens = tokens.shape[-1]
+    x = params["embed"][tokens].astype(dtype)
+    positions = jnp.arange(num_tokens, dtype=jnp.float32)
+    angles = positions[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    q_size, kv_size, group = cfg.q_size, cfg.kv_size, cfg.num_heads // cfg.num_kv_heads
+    pos = jnp.arange(num_tokens)
+    mask = pos[None, :] <= pos[:, None]
+    if cfg.sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - cfg.sliding_window
+
+    def layer(x, lp):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
+        if cfg.qkv_bias:
+            qkv = qkv + lp["bqkv"].astype(jnp.float32)
+        qkv = qkv.astype(dtype)
+        q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(q, cos, sin).astype(jnp.float32)
+        k = jnp.repeat(apply_rope(k, cos, sin).astype(jnp.float32), group, axis=1)
+        v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
+        s = jnp.einsum("qhd,khd->hqk", q, k) * cfg.head_dim ** -0.5
+        s = jnp.where(mask[None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        attn = jnp.einsum("hqk,khd->qhd", p, v).astype(dtype)
+        o = jnp.dot(attn.reshape(num_tokens, q_size), lp["wo"], preferred_element_type=jnp.float32)
+        if cfg.o_bias:
+            o = o + lp["bo"].astype(jnp.float32)
+        x = x + o.astype(dtype)
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        return x + _dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"]), None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)

@@ -1,0 +1,1 @@
+"""Pallas kernels, each beside its pure-jnp reference, and the backend choice between them."""

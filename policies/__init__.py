@@ -1,0 +1,31 @@
+"""Speculation policies behind one small protocol (policies/base.py), chosen by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
+from policies.static import OffPolicy, StaticPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    StaticPolicy.name: StaticPolicy,
+    OffPolicy.name: OffPolicy,
+}
+
+
+def make_policy(name: str, max_gamma: int, **options: Any) -> Policy:
+    """Build a policy by name. ``max_gamma`` is the engine's Γmax (num_speculative_tokens)."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}"
+        ) from None
+    try:
+        return cls(max_gamma=max_gamma, **options)
+    except TypeError as e:
+        raise ValueError(f"bad options for policy {name!r}: {e}") from None
+
+
+__all__ = ["BatchView", "DraftPlan", "DraftStats", "Policy", "StepOutcome", "POLICIES",
+           "make_policy"]

@@ -1,0 +1,129 @@
+"""The policy protocol and the types it shares with the engine.
+
+A policy is pure host-side Python/numpy: the engine shows it a ``BatchView`` of the sequences
+that may speculate this step, the policy answers with a ``DraftPlan`` (a draft length γ_i per
+sequence, 0 allowed, the chain of models, an optional on-device stop rule), may trim the verify
+lengths after seeing the draft (``select``), and learns from the ``StepOutcome``. Nothing here
+imports the engine; the engine imports these types.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class BatchView:
+    """What a policy sees before a step. Arrays are per speculating-eligible sequence, in the
+    order the plan must answer in (decoding sequences only; prefill chunks never draft)."""
+
+    request_ids: list[str]
+    context_lens: np.ndarray  # [n] int: tokens in each sequence
+    pending_draft_tokens: np.ndarray  # [n] int: tokens the draft must catch up on before drafting
+    batch_size: int  # all sequences in the step (decode + prefill): the load
+    num_prefill_tokens: int  # prefill tokens sharing this step
+    num_waiting: int  # queue depth
+    num_free_blocks: int
+    num_total_blocks: int
+    draft_resident: bool  # False: the draft is offloaded and γ is forced to 0
+    max_gamma: int
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclasses.dataclass
+class DraftPlan:
+    """γ_i per sequence of the view; chain of model names ending before the target.
+
+    ``stop_confidence[i]``: stop drafting sequence i once the product of its draft confidences
+    q(x_1)..q(x_j) falls below this (0 never stops). ``stop_entropy[i]``: stop once a draft
+    distribution's entropy exceeds this (inf never stops). Both are evaluated on device inside
+    the draft loop, with no host round trip per token.
+    """
+
+    gammas: np.ndarray
+    chain: tuple[str, ...] = ("draft",)
+    stop_confidence: np.ndarray | None = None
+    stop_entropy: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class DraftStats:
+    """What the draft produced, shown to ``select`` (costs one host sync, so only for policies
+    that override select)."""
+
+    num_drafted: np.ndarray  # [n]
+    confidence: np.ndarray  # [n, G] q(x_j) of each drafted token
+    draft_entropy: np.ndarray  # [n, G]
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """What happened in a step, per sequence of the view, plus timings in seconds."""
+
+    request_ids: list[str]
+    gammas: np.ndarray  # [n] planned
+    num_drafted: np.ndarray  # [n] actually drafted (a stop rule may end early)
+    num_verified: np.ndarray  # [n] drafted tokens sent to verification (after select)
+    num_accepted: np.ndarray  # [n]
+    num_emitted: np.ndarray  # [n] tokens appended (accepted + bonus/correction, after stops)
+    batch_size: int
+    step_time: float  # whole step, wall clock, including draft catch-up
+    draft_time: float
+    verify_time: float
+    catch_up_time: float  # draft catching up on lagging KV (Nightjar's switching cost)
+    catch_up_tokens: int
+    num_prefill_tokens: int
+    # per drafted position [n, G]; NaN where nothing was drafted
+    accept_prob: np.ndarray
+    kl: np.ndarray
+    draft_entropy: np.ndarray
+    confidence: np.ndarray
+
+    @property
+    def goodput(self) -> float:
+        """Tokens produced by decoding sequences per second of step time."""
+        return float(self.num_emitted.sum()) / self.step_time if self.step_time > 0 else 0.0
+
+
+class Policy(abc.ABC):
+    """Chooses how much to speculate. Subclasses set ``name`` and implement ``plan``."""
+
+    name: str = ""
+
+    def __init__(self, max_gamma: int):
+        if not isinstance(max_gamma, int) or max_gamma < 0:
+            raise ValueError(f"max_gamma must be an integer >= 0, got {max_gamma!r}")
+        self.max_gamma = max_gamma
+
+    def possible_gammas(self) -> set[int]:
+        """Every γ this policy may ever plan; the engine compiles only for these."""
+        return set(range(self.max_gamma + 1))
+
+    @abc.abstractmethod
+    def plan(self, view: BatchView) -> DraftPlan:
+        ...
+
+    def select(self, view: BatchView, stats: DraftStats) -> np.ndarray | None:
+        """Optionally trim verify lengths (≤ num_drafted). None verifies everything drafted."""
+        return None
+
+    @property
+    def wants_select(self) -> bool:
+        return type(self).select is not Policy.select
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Learn from a finished step."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"policy {self.name!r} has no learned state, got keys {sorted(state)}")
