@@ -90,6 +90,9 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._pending_outputs: list[RequestOutput] = []
         self.last_outcome: StepOutcome | None = None
+        # Streaming callers want every step's deltas; offline generation only the finished
+        # requests, and skipping the per-step outputs trims host time per step.
+        self.stream_outputs = True
         if config.warmup:
             self.warmup()
 
@@ -216,7 +219,6 @@ class LLMEngine:
                     seq.num_draft_computed = end
                 self.runner.sync_draft()
                 catch_up_time = time.perf_counter() - t0
-            t0 = time.perf_counter()
             first, next_positions, gammas = ib.draft_first_input(rows, num_rows, table)
             stop_conf = np.zeros(num_rows, np.float32)
             stop_ent = np.full(num_rows, np.inf, np.float32)
@@ -224,6 +226,7 @@ class LLMEngine:
                 stop_conf[decode_idx] = plan.stop_confidence
             if plan is not None and plan.stop_entropy is not None:
                 stop_ent[decode_idx] = plan.stop_entropy
+            t0 = time.perf_counter()
             draft = self.runner.run_draft(first, next_positions, table, gammas, stop_conf,
                                           stop_ent, st, gamma)
             num_drafted = draft.num_drafted
@@ -234,7 +237,6 @@ class LLMEngine:
             draft_time = time.perf_counter() - t0
 
         # -- verify: one target pass over the ragged batch, rejection sampling on device
-        t0 = time.perf_counter()
         num_tokens = sum((1 + r.gamma) if r.is_decode else r.num_new_tokens for r in rows)
         batch, slots = ib.verify_input(rows, self.rc.token_bucket(num_tokens), num_rows, gamma,
                                        table)
@@ -245,6 +247,7 @@ class LLMEngine:
             num_drafted = np.zeros(num_rows, np.int32)
         else:
             draft_tokens, draft_logits = draft.tokens, draft.logits
+        t0 = time.perf_counter()
         result = self.runner.run_verify(batch, draft_tokens, slots, draft_logits, num_drafted,
                                         st, gamma)
         result = jax.device_get(result)  # the step's one host<-device transfer of results
@@ -375,7 +378,8 @@ class LLMEngine:
             else:
                 # roll back: free whole blocks past the tokens we keep (rejected drafts' KV)
                 self.block_manager.truncate(seq.request_id, seq.num_tokens)
-                outputs.append(self._output(req))
+                if self.stream_outputs:
+                    outputs.append(self._output(req))
         return outputs
 
     def _append(self, req: _Request, token: int) -> SequenceStatus | None:

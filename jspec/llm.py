@@ -113,6 +113,7 @@ class LLM:
         from tqdm.auto import tqdm
 
         results: dict[str, RequestOutput] = {}
+        self.engine.stream_outputs = False  # only finished requests matter here
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         out_tokens = 0
         try:

@@ -86,16 +86,23 @@ class ModelRunner:
         self.compile_seconds = 0.0
 
     # ------------------------------------------------------------------ executables
-    def _executable(self, key: tuple, build: Callable[[], Any]):
+    def _executable(self, key: tuple, model: LoadedModel | None, build: Callable[[], Any]):
+        """The compiled function for ``key``, from this runner, the process cache, or built.
+
+        The process-wide key holds everything the executable depends on: the model it runs
+        (config and param dtype), the pool geometry and the attention backend, so an engine with
+        or without a draft shares the target's executables with any other over the same target.
+        """
         exe = self._local.get(key)
         if exe is not None:
             return exe
-        full_key = (key, self.target.cfg, self.draft.cfg if self.draft else None,
-                    str(self.kv_dtype), self.rc.num_kv_blocks, self.rc.engine.block_size,
-                    self.rc.max_pages, self.attention_backend,
-                    str(jax.tree_util.tree_leaves(self.target.params)[0].dtype),
-                    str(jax.tree_util.tree_leaves(self.draft.params)[0].dtype)
-                    if self.draft else None)
+        model_key = None if model is None else (
+            model.cfg, str(jax.tree_util.tree_leaves(model.params)[0].dtype))
+        # sampling-only executables (model None) do not touch the KV pool
+        geometry = () if model is None else (str(self.kv_dtype), self.rc.num_kv_blocks,
+                                             self.rc.engine.block_size, self.rc.max_pages,
+                                             self.attention_backend)
+        full_key = (key, model_key, geometry)
         with _compile_lock:
             exe = _EXECUTABLES.get(full_key)
             if exe is None:
@@ -143,7 +150,7 @@ class ModelRunner:
             )
             return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
 
-        return self._executable(("verify", num_tokens, num_seqs, gamma), build)
+        return self._executable(("verify", num_tokens, num_seqs, gamma), self.target, build)
 
     def accept_executable(self, num_seqs: int, gamma: int):
         def build():
@@ -157,7 +164,8 @@ class ModelRunner:
             )
             return jax.jit(device_steps.accept).lower(*specs).compile()
 
-        return self._executable(("accept", num_seqs, gamma), build)
+        return self._executable(("accept", num_seqs, gamma, self.target.cfg.vocab_size), None,
+                                build)
 
     def draft_executable(self, num_seqs: int, gamma: int):
         def build():
@@ -177,7 +185,7 @@ class ModelRunner:
             )
             return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
 
-        return self._executable(("draft", num_seqs, gamma), build)
+        return self._executable(("draft", num_seqs, gamma), self.draft, build)
 
     def catch_up_executable(self, num_tokens: int, num_seqs: int):
         def build():
@@ -187,7 +195,7 @@ class ModelRunner:
                      self._input_spec(num_tokens, num_seqs, 2))
             return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
 
-        return self._executable(("catch_up", num_tokens, num_seqs), build)
+        return self._executable(("catch_up", num_tokens, num_seqs), self.draft, build)
 
     # ------------------------------------------------------------------ running
     def run_verify(self, batch: ModelInput, draft_tokens, draft_slots, draft_logits, num_drafted,

@@ -44,13 +44,14 @@ class SamplingTensors:
 def row_uniforms(st: SamplingTensors, stream: int, count: int) -> jax.Array:
     """``count`` uniforms in (0, 1] per row for a named random stream of this step: [S, count].
 
-    One threefry key per row (seed, then step counter and stream folded in together) and one
-    draw of all the numbers a step needs, which keeps both the compiled program and the run small.
+    Number j depends only on (seed, step counter, stream, j), never on ``count``: the γ bucket a
+    step was compiled for must not change what a seeded request samples.
     """
 
     def one(seed, counter):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), counter * 8 + stream)
-        return 1.0 - jax.random.uniform(key, (count,), jnp.float32)
+        draw = lambda j: jax.random.uniform(jax.random.fold_in(key, j), (), jnp.float32)
+        return 1.0 - jax.vmap(draw)(jnp.arange(count))
 
     return jax.vmap(one)(st.seeds, st.counters)
 
@@ -154,9 +155,10 @@ def rejection_sample(
         logq = processed_logprobs(draft_logits, st)  # [S, G, V]
         p_tok = jnp.take_along_axis(logp[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]
         q_tok = jnp.take_along_axis(logq, draft_tokens[..., None], axis=-1)[..., 0]
-        uniforms = row_uniforms(st, stream=1, count=gamma + 1)
+        uniforms = row_uniforms(st, stream=1, count=gamma)
+        final_u = row_uniforms(st, stream=2, count=1)[:, 0]
         # accept iff u * q <= p  (i.e. u <= p/q), computed in log space
-        ok = (jnp.log(uniforms[:, :gamma]) + q_tok <= p_tok) & drafted
+        ok = (jnp.log(uniforms) + q_tok <= p_tok) & drafted
         n = first_false(ok)
         p_n = jnp.exp(jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0])  # [S, V]
         q_pad = jnp.concatenate([jnp.exp(logq), jnp.zeros((num_rows, 1, vocab))], axis=1)
@@ -165,7 +167,7 @@ def rejection_sample(
         residual = jnp.where(rejected, jnp.maximum(p_n - q_n, 0.0), p_n)
         # p == q exactly leaves no residual mass; then sampling from p is the right limit
         residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_n)
-        return n, sample_from_probs(residual, uniforms[:, gamma])
+        return n, sample_from_probs(residual, final_u)
 
     def no_random(_):
         return greedy_n, greedy_last

@@ -113,6 +113,46 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, *,
+                  cfg: ModelConfig) -> jax.Array:
+    """One pre-norm decoder layer over flat tokens x [T, hidden].
+
+    ``attend(q, k, v) -> [T, heads, head_dim]`` receives the rotated projections and decides
+    where keys come from: the paged pool (serving) or the tokens themselves (dense, training).
+    """
+    num_tokens = x.shape[0]
+    dtype = x.dtype
+    q_size, kv_size = cfg.q_size, cfg.kv_size
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
+    if cfg.qkv_bias:
+        qkv = qkv + lp["bqkv"].astype(jnp.float32)
+    qkv = qkv.astype(dtype)
+    q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    o = jnp.dot(attn.reshape(num_tokens, q_size), lp["wo"], preferred_element_type=jnp.float32)
+    if cfg.o_bias:
+        o = o + lp["bo"].astype(jnp.float32)
+    x = x + o.astype(dtype)
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return x + _dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"])
+
+
+def lm_head(params: dict, hidden: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Final norm and output projection: (logits float32, normed hidden)."""
+    hidden = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32), hidden
+
+
 # ----------------------------------------------------------------------------- forward
 def forward(
     params: dict,
@@ -128,15 +168,11 @@ def forward(
     With ``return_hidden`` the final-norm hidden states at the logits rows are returned too
     (training and distillation use them).
     """
-    dtype = params["embed"].dtype
     md = batch.attn
     num_tokens = batch.input_ids.shape[0]
     block_size = kv.k.shape[2]
-
-    x = params["embed"][batch.input_ids].astype(dtype)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    angles = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x = params["embed"][batch.input_ids].astype(params["embed"].dtype)
+    cos, sin = rope_tables(md.positions, cfg)
 
     # Slot of every new token in the pool; padding tokens go to the null block.
     token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -145,88 +181,55 @@ def forward(
     page = jnp.clip(md.positions // block_size, 0, md.page_table.shape[1] - 1)
     blocks = jnp.where(valid, md.page_table[token_seq, page], 0)
     offsets = jnp.where(valid, md.positions % block_size, token_idx % block_size)
-
-    q_size, kv_size = cfg.q_size, cfg.kv_size
     sm_scale = cfg.head_dim ** -0.5
 
     def layer(carry, xs):
         x, k_pool, v_pool = carry
         lp, i = xs
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
-        if cfg.qkv_bias:
-            qkv = qkv + lp["bqkv"].astype(jnp.float32)
-        qkv = qkv.astype(dtype)
-        q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k_pool = k_pool.at[i, blocks, offsets].set(k.astype(k_pool.dtype))
-        v_pool = v_pool.at[i, blocks, offsets].set(v.astype(v_pool.dtype))
-        attn = attention_fn(q, k_pool, v_pool, i, md, sm_scale=sm_scale,
-                            sliding_window=cfg.sliding_window)
-        o = jnp.dot(attn.reshape(num_tokens, q_size), lp["wo"],
-                    preferred_element_type=jnp.float32)
-        if cfg.o_bias:
-            o = o + lp["bo"].astype(jnp.float32)
-        x = x + o.astype(dtype)
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        x = x + _dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"])
+
+        def attend(q, k, v):
+            # write this layer's new K/V first, then attend over everything in the pool
+            nonlocal k_pool, v_pool
+            k_pool = k_pool.at[i, blocks, offsets].set(k.astype(k_pool.dtype))
+            v_pool = v_pool.at[i, blocks, offsets].set(v.astype(v_pool.dtype))
+            return attention_fn(q, k_pool, v_pool, i, md, sm_scale=sm_scale,
+                                sliding_window=cfg.sliding_window)
+
+        x = decoder_layer(lp, x, cos, sin, attend, cfg=cfg)
         return (x, k_pool, v_pool), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, kv.k, kv.v), (params["layers"], layer_ids))
-    hidden = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    logits, hidden = lm_head(params, x[batch.logits_indices], cfg)
     new_kv = KVCache(k_pool, v_pool)
     if return_hidden:
         return logits, new_kv, hidden
     return logits, new_kv
 
 
-def dense_forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
-    """Plain causal forward of one sequence [T] -> logits [T, vocab]; the test oracle and the
-    training forward. No KV cache, no paging."""
-    dtype = params["embed"].dtype
-    num_tokens = tokens.shape[-1]
-    x = params["embed"][tokens].astype(dtype)
-    positions = jnp.arange(num_tokens, dtype=jnp.float32)
-    angles = positions[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    q_size, kv_size, group = cfg.q_size, cfg.kv_size, cfg.num_heads // cfg.num_kv_heads
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Causal attention of one sequence over itself (positions 0..T-1), float32 softmax."""
+    num_tokens = q.shape[0]
+    group = cfg.num_heads // cfg.num_kv_heads
     pos = jnp.arange(num_tokens)
     mask = pos[None, :] <= pos[:, None]
     if cfg.sliding_window is not None:
         mask &= pos[None, :] > pos[:, None] - cfg.sliding_window
+    k = jnp.repeat(k.astype(jnp.float32), group, axis=1)
+    v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * cfg.head_dim ** -0.5
+    p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", p, v).astype(q.dtype)
 
-    def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
-        if cfg.qkv_bias:
-            qkv = qkv + lp["bqkv"].astype(jnp.float32)
-        qkv = qkv.astype(dtype)
-        q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(q, cos, sin).astype(jnp.float32)
-        k = jnp.repeat(apply_rope(k, cos, sin).astype(jnp.float32), group, axis=1)
-        v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
-        s = jnp.einsum("qhd,khd->hqk", q, k) * cfg.head_dim ** -0.5
-        s = jnp.where(mask[None], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        attn = jnp.einsum("hqk,khd->qhd", p, v).astype(dtype)
-        o = jnp.dot(attn.reshape(num_tokens, q_size), lp["wo"], preferred_element_type=jnp.float32)
-        if cfg.o_bias:
-            o = o + lp["bo"].astype(jnp.float32)
-        x = x + o.astype(dtype)
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        return x + _dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"]), None
 
-    x, _ = jax.lax.scan(layer, x, params["layers"])
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+def dense_forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig,
+                  return_hidden: bool = False):
+    """Plain causal forward of one sequence [T] -> logits [T, vocab]; the test oracle and the
+    training forward. No KV cache, no paging; the same layer code as the paged forward."""
+    x = params["embed"][tokens].astype(params["embed"].dtype)
+    cos, sin = rope_tables(jnp.arange(tokens.shape[-1]), cfg)
+    attend = lambda q, k, v: dense_attention(q, k, v, cfg)
+    x, _ = jax.lax.scan(lambda x, lp: (decoder_layer(lp, x, cos, sin, attend, cfg=cfg), None),
+                        x, params["layers"])
+    logits, hidden = lm_head(params, x, cfg)
+    return (logits, hidden) if return_hidden else logits

@@ -119,6 +119,9 @@ def ragged_paged_attention_reference(
         jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    if page_table.shape[1] == chunk_pages:  # one chunk covers every context: no loop to compile
+        _, l, acc = body(0, init)
+    else:
+        _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
