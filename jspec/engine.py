@@ -189,6 +189,9 @@ class LLMEngine:
         plan = None
         if decode_rows and self.draft is not None:
             plan = self.policy.plan(view)
+            if len(plan.gammas) != len(decode_rows):
+                raise RuntimeError(f"policy {self.policy.name!r} planned {len(plan.gammas)} "
+                                   f"draft lengths for {len(decode_rows)} decoding sequences")
             for row, gamma in zip(decode_rows, plan.gammas):
                 req = self._requests[row.seq.request_id]
                 # never draft past the request's last token or the reserved KV slots
@@ -409,10 +412,15 @@ class LLMEngine:
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         text = req.detok.text if req.text_end is None else req.detok.text[:req.text_end]
+        finished = seq.status.finished
+        stops = seq.sampling_params.stop
+        if stops and not finished:
+            # hold back what could be the start of a stop string: streamed text is never
+            # retracted, so deltas always add up to the final text
+            text = text[:max(len(text) - (max(map(len, stops)) - 1), req.last_text_len)]
         delta_text = text[req.last_text_len:]
         delta_ids = seq.output_token_ids[req.last_num_tokens:]
         req.last_text_len, req.last_num_tokens = len(text), seq.num_output_tokens
-        finished = seq.status.finished
         return RequestOutput(
             request_id=seq.request_id, prompt=req.prompt,
             prompt_token_ids=seq.prompt_token_ids, text=text,

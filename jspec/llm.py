@@ -27,9 +27,13 @@ def build_engine(target: str | os.PathLike | None = None, draft: str | os.PathLi
                  *, tokenizer: str | os.PathLike | None = None,
                  policy_obj=None, **engine_kwargs: Any):
     """Load the models and build an LLMEngine; ``target=None`` uses the built-in default pair."""
-    from jspec.default_models import default_pair
+    from jspec.default_models import cache_dir, default_pair
     from jspec.engine import LLMEngine
+    from jspec.runner import enable_persistent_compilation_cache
     from models.loader import load_tokenizer
+
+    if os.environ.get("JSPEC_COMPILATION_CACHE", "on").lower() not in ("0", "off", "false"):
+        enable_persistent_compilation_cache(str(cache_dir() / "xla"))
 
     if target is None:
         if draft is not None:
@@ -86,6 +90,9 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -1,0 +1,263 @@
+"""`jspec bench model-step`: time of one jitted paged forward over batch size x tokens per sequence.
+
+The model is Qwen2.5-0.5B-shaped with random weights (no download), plus a draft shape about ten
+times cheaper, so the numbers say what a speculative step costs on this machine: decode at
+batch 1 should be bound by reading the weights (time nearly flat in tokens per sequence, which is
+what makes verifying several draft tokens cheap), and large batches by compute (time near-linear
+in batch x tokens). The machine's memory bandwidth is measured in the same run, so the B=1 rows
+can be read as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+# Qwen2.5-0.5B and the draft shape. The draft keeps the vocabulary (it must share the
+# tokenizer), so its output head is most of its cost.
+TARGET_SHAPE = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_layers=24,
+                    num_heads=14, num_kv_heads=2, head_dim=64, intermediate_size=4864,
+                    tie_word_embeddings=True, qkv_bias=True, rope_theta=1000000.0,
+                    max_position_embeddings=32768)
+DRAFT_SHAPE = dict(TARGET_SHAPE, hidden_size=320, num_layers=6, num_heads=5, num_kv_heads=1,
+                   intermediate_size=1024)
+# --small: seconds-long smoke run with the same code path.
+SMALL_TARGET = dict(TARGET_SHAPE, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, intermediate_size=128)
+SMALL_DRAFT = dict(SMALL_TARGET, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"],
+                        help="parameter and KV dtypes to time (default: both)")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64],
+                        metavar="B", help="sequences per step")
+    parser.add_argument("--query-lens", nargs="+", type=int, default=[1, 2, 4, 8], metavar="Q",
+                        help="new tokens per sequence (1 = decode, >1 = verification window)")
+    parser.add_argument("--context", type=int, default=256,
+                        help="tokens already in each sequence's KV cache")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per point (best)")
+    parser.add_argument("--models", nargs="+", choices=["target", "draft"],
+                        default=["target", "draft"], help="which shapes to time")
+    parser.add_argument("--bandwidth-mib", type=int, default=1024,
+                        help="array size for the memory-bandwidth measurement")
+    parser.add_argument("--small", action="store_true",
+                        help="tiny shapes and grid: a quick smoke run of the same code path")
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` calls: on a small shared machine other processes only ever add
+    time, so the minimum is the least noisy estimate of what the step itself costs."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Read bandwidth in bytes/s: a jitted sum over a float32 array, the same access pattern as
+    streaming weights (read once, nothing written back)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = max(1, num_bytes // 4)
+    x = jax.jit(lambda: jnp.ones((n,), jnp.float32))()  # materialized, pages touched
+    reduce = jax.jit(lambda a: jnp.sum(a))
+    reduce(x).block_until_ready()
+    seconds = _best_seconds(lambda: reduce(x).block_until_ready(), max(3, repeats))
+    del x
+    return 4 * n / seconds
+
+
+def random_params(cfg, dtype, seed: int = 0) -> dict:
+    """Random weights in the runtime layout, generated on device (numpy would take most of a
+    minute for the 0.5B shapes). Values only need to be finite and non-degenerate."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.params import param_shapes
+
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for key, shape in zip(keys, leaves):
+        make = jax.jit(lambda k, shape=shape: (0.02 * jax.random.normal(k, shape, jnp.float32))
+                       .astype(dtype))
+        out.append(make(key))
+    params = jax.tree_util.tree_unflatten(treedef, out)
+    params["final_norm"] = jnp.ones_like(params["final_norm"])
+    params["layers"]["attn_norm"] = jnp.ones_like(params["layers"]["attn_norm"])
+    params["layers"]["mlp_norm"] = jnp.ones_like(params["layers"]["mlp_norm"])
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = jnp.transpose(params["embed"])
+    return jax.block_until_ready(params)
+
+
+def weight_bytes_per_step(params: dict) -> int:
+    """Bytes of weights a step must read: everything except the embedding table, of which only
+    the looked-up rows are touched (a tied model keeps a separate [hidden, vocab] head copy)."""
+    from models.params import params_nbytes
+
+    embed = params["embed"]
+    return params_nbytes(params) - embed.size * embed.dtype.itemsize
+
+
+def make_batch(batch: int, query_len: int, context: int, block_size: int):
+    """B sequences of ``context`` cached tokens, each bringing ``query_len`` new ones; logits at
+    every new token. Rows are padded to >= 2: XLA's one-row bf16 matmul on CPU is several times
+    slower than a two-row one, so the runtime never issues one."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.transformer import ModelInput
+    from pallas_kernels.ragged_paged_attention import AttentionMetadata
+
+    tokens = batch * query_len
+    padded = max(2, tokens)
+    pages = -(-(context + query_len) // block_size)
+    page_table = 1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+    positions = np.zeros(padded, np.int32)
+    positions[:tokens] = np.tile(np.arange(context, context + query_len), batch)
+    md = AttentionMetadata(
+        positions=jnp.asarray(positions),
+        cu_q_lens=jnp.asarray(np.arange(batch + 1, dtype=np.int32) * query_len),
+        kv_lens=jnp.full((batch,), context + query_len, jnp.int32),
+        page_table=jnp.asarray(page_table),
+    )
+    rng = np.random.default_rng(0)
+    input_ids = jnp.asarray(rng.integers(0, 100, padded), jnp.int32)
+    logits_indices = jnp.arange(padded, dtype=jnp.int32)
+    return ModelInput(input_ids, md, logits_indices), 1 + batch * pages
+
+
+def time_grid(cfg, params, dtype, args) -> dict[tuple[int, int], float]:
+    """Median seconds per step for every (B, q) of the grid."""
+    import functools
+
+    import jax
+
+    from models.transformer import KVCache, forward
+
+    step = jax.jit(functools.partial(forward, cfg=cfg), donate_argnames=("kv",))
+    results = {}
+    for batch_size in args.batch_sizes:
+        for query_len in args.query_lens:
+            batch, num_blocks = make_batch(batch_size, query_len, args.context, args.block_size)
+            state = {"kv": KVCache.create(cfg, num_blocks, args.block_size, dtype)}
+
+            def call():
+                logits, state["kv"] = step(params, state["kv"], batch)
+                logits.block_until_ready()
+
+            call()  # compile and warm up
+            results[batch_size, query_len] = _best_seconds(call, args.repeats)
+            del state
+    return results
+
+
+def _format_table(results, args) -> list[str]:
+    lines = ["  B \\ q " + "".join(f"{q:>11d}" for q in args.query_lens)]
+    for b in args.batch_sizes:
+        lines.append(f"  {b:>6d}" + "".join(f"{results[b, q] * 1e3:>11.2f}"
+                                           for q in args.query_lens))
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from models.config import ModelConfig
+
+    if args.small:
+        target_shape, draft_shape = SMALL_TARGET, SMALL_DRAFT
+        if args.batch_sizes == [1, 4, 16, 64]:
+            args.batch_sizes = [1, 2]
+        if args.query_lens == [1, 2, 4, 8]:
+            args.query_lens = [1, 2]
+        args.context, args.repeats, args.bandwidth_mib = min(args.context, 16), 1, 8
+    else:
+        target_shape, draft_shape = TARGET_SHAPE, DRAFT_SHAPE
+    for name in ("batch_sizes", "query_lens"):
+        if any(v < 1 for v in getattr(args, name)):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive integers")
+    if args.context < 0 or args.block_size < 1 or args.repeats < 1:
+        raise ValueError("--context must be >= 0, --block-size and --repeats >= 1")
+    configs = {"target": ModelConfig(**target_shape), "draft": ModelConfig(**draft_shape)}
+
+    import jax
+
+    print(f"jspec bench model-step: backend {jax.default_backend()}, {jax.device_count()} "
+          f"device(s), jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    t, d = configs["target"], configs["draft"]
+    flops_ratio = t.num_params() / d.num_params()
+    print(f"target: Qwen2.5-0.5B shape, {t.num_params() / 1e6:.1f}M params "
+          f"(L={t.num_layers} h={t.hidden_size} heads={t.num_heads}/{t.num_kv_heads} "
+          f"ffn={t.intermediate_size} vocab={t.vocab_size}, tied)")
+    print(f"draft:  {d.num_params() / 1e6:.1f}M params (L={d.num_layers} h={d.hidden_size} "
+          f"heads={d.num_heads}/{d.num_kv_heads} ffn={d.intermediate_size}, same vocab); "
+          f"cost ratio target/draft = {flops_ratio:.1f}x in params (FLOPs and bytes per token)")
+    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, args.repeats)
+    print(f"memory read bandwidth (jnp.sum over {args.bandwidth_mib} MiB float32): "
+          f"{bandwidth / 1e9:.1f} GB/s")
+    print(f"context {args.context} tokens/sequence, KV block {args.block_size}, logits at every "
+          f"new token, best of {args.repeats}; times in ms per step")
+    print(f"load average at start: {_load()}")
+
+    measured: dict[tuple[str, str], dict] = {}
+    for dtype_name in args.dtypes:
+        dtype = jnp.dtype(DTYPES[dtype_name])
+        for model in args.models:
+            cfg = configs[model]
+            params = random_params(cfg, dtype)
+            weight_bytes = weight_bytes_per_step(params)
+            results = time_grid(cfg, params, dtype, args)
+            del params
+            measured[dtype_name, model] = results
+            print()
+            print(f"[{dtype_name}] {model}: {weight_bytes / 1e6:.1f} MB of weights read per step")
+            for line in _format_table(results, args):
+                print(line)
+            _print_observations(results, args, weight_bytes, bandwidth)
+    _print_draft_ratios(measured, args)
+    # A shared VM's bandwidth drifts with its neighbours: measure again and show both.
+    bandwidth_end = measure_bandwidth(args.bandwidth_mib << 20, args.repeats)
+    print(f"memory read bandwidth at end: {bandwidth_end / 1e9:.1f} GB/s (start: "
+          f"{bandwidth / 1e9:.1f} GB/s; the shares above use the start value)")
+    print(f"load average at end: {_load()} (other processes on the machine skew the numbers)")
+    return 0
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _print_observations(results, args, weight_bytes: int, bandwidth: float) -> None:
+    qs, bs = args.query_lens, args.batch_sizes
+    if 1 in bs:
+        row = ", ".join(f"q={q}: {weight_bytes / results[1, q] / 1e9:.1f} GB/s "
+                        f"({100 * weight_bytes / results[1, q] / bandwidth:.0f}%)" for q in qs)
+        print(f"  B=1 weight-read bandwidth (share of measured): {row}")
+        print(f"  B=1 flatness: t(q={qs[-1]}) / t(q={qs[0]}) = "
+              f"{results[1, qs[-1]] / results[1, qs[0]]:.2f}")
+    big = max(bs)
+    base = results[big, qs[0]] / (big * qs[0])
+    row = ", ".join(f"q={q}: {results[big, q] / (big * q) / base:.2f}" for q in qs)
+    print(f"  B={big} time per token relative to q={qs[0]} (1.00 = linear in B*q): {row}")
+
+
+def _print_draft_ratios(measured, args) -> None:
+    for dtype_name in args.dtypes:
+        if (dtype_name, "target") in measured and (dtype_name, "draft") in measured:
+            t, d = measured[dtype_name, "target"], measured[dtype_name, "draft"]
+            row = ", ".join(f"B={b}: {t[b, 1] / d[b, 1]:.1f}x" for b in args.batch_sizes)
+            print(f"[{dtype_name}] measured target/draft step-time ratio at q=1: {row}")

@@ -1,0 +1,224 @@
+"""`jspec generate`: generate text for one or more prompts with speculative decoding.
+
+Prints each prompt's generated text and one summary line (tokens/s, acceptance rate, mean
+accepted length). Without --target/--draft it runs the built-in default model pair.
+
+Every check that can fail on user input (sampling parameters, policy name and options, prompts,
+prompt lengths) runs before the compile warm-up, so a mistake costs seconds, not minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", metavar="DIR",
+                        help="target HF checkpoint directory (llama / qwen2 / mistral); "
+                             "default: the built-in default pair")
+    models.add_argument("--draft", metavar="DIR",
+                        help="draft checkpoint directory sharing the target's vocabulary; "
+                             "with --target but no --draft, decoding is plain (no speculation)")
+    models.add_argument("--tokenizer", metavar="DIR",
+                        help="tokenizer directory (default: the target's)")
+    models.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="parameter and KV-cache dtype (default: %(default)s)")
+
+    spec = parser.add_argument_group("speculation")
+    spec.add_argument("--policy", default="static",
+                      help="speculation policy: static (fixed γ) or off (default: %(default)s)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="N",
+                      help="largest number of draft tokens per step, Γmax (default: %(default)s)")
+    spec.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="policy option, repeatable (e.g. gamma=2 for static)")
+
+    prompts = parser.add_argument_group("prompts")
+    source = prompts.add_mutually_exclusive_group()
+    source.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a prompt (repeatable; default: a short code prompt)")
+    source.add_argument("--prompts-file", metavar="FILE",
+                        help="prompts, one per line; a .jsonl file holds one JSON string or "
+                             "{\"prompt\": ...} object per line (for prompts with newlines)")
+
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=64,
+                          help="tokens to generate per prompt (default: %(default)s)")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="0 is greedy (default: %(default)s)")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
+    sampling.add_argument("--seed", type=int, default=None,
+                          help="per-request sampling seed (reproducible whatever the batch)")
+    sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                          help="stop string, repeatable")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating past the end-of-sequence token")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences per step (default: the number of prompts, at most 16; "
+                             "fewer rows mean fewer shape buckets to compile)")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit (default: the target's, at most 4096)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="target tokens per step (default: derived)")
+    engine.add_argument("--block-size", type=int, default=None,
+                        help="KV block size in tokens (default: 16)")
+    engine.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV pool size in blocks (default: max-num-seqs full sequences)")
+    engine.add_argument("--min-token-bucket", type=int, default=None,
+                        help="smallest token-count shape bucket (default: 8)")
+    engine.add_argument("--no-warmup", action="store_true",
+                        help="skip compiling every shape bucket up front (first steps then "
+                             "compile as they go)")
+    engine.add_argument("--no-progress", action="store_true",
+                        help="no progress bars on stderr")
+
+
+def parse_option_value(text: str) -> Any:
+    """``2`` -> int, ``0.5`` -> float, ``true``/``false`` -> bool, ``none`` -> None, else str."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_policy_options(items: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--policy-option expects KEY=VALUE, got {item!r}")
+        options[key.replace("-", "_")] = parse_option_value(value)
+    return options
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file is None:
+        return list(args.prompt) if args.prompt else ["def fibonacci(n):"]
+    try:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read --prompts-file {args.prompts_file!r}: "
+                         f"{e.strerror or e}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue  # blank lines separate prompts, they are not prompts
+        if args.prompts_file.endswith(".jsonl"):
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.prompts_file}:{number}: not JSON ({e.msg})") from None
+            if isinstance(item, dict):
+                item = item.get("prompt")
+            if not isinstance(item, str):
+                raise ValueError(f"{args.prompts_file}:{number}: expected a JSON string or an "
+                                 f"object with a string \"prompt\"")
+            line = item
+        prompts.append(line)
+    if not prompts:
+        raise ValueError(f"--prompts-file {args.prompts_file!r} holds no prompts")
+    return prompts
+
+
+def summary_line(outputs, seconds: float, num_steps: int) -> str:
+    """One line: throughput and speculation statistics over all outputs (rates are 0 when
+    nothing was drafted, as in the engine's metrics)."""
+    tokens = sum(len(o.token_ids) for o in outputs)
+    drafted = sum(o.spec.num_drafted for o in outputs)
+    accepted = sum(o.spec.num_accepted for o in outputs)
+    spec_steps = sum(o.spec.num_spec_steps for o in outputs)
+    acceptance = accepted / drafted if drafted else 0.0
+    mean_len = (accepted + spec_steps) / spec_steps if spec_steps else 0.0
+    return (f"summary: {len(outputs)} prompt{'s' if len(outputs) != 1 else ''}, "
+            f"{tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s), "
+            f"acceptance rate {acceptance:.2f}, mean accepted length {mean_len:.2f}, "
+            f"{drafted} drafted / {accepted} accepted, {num_steps} engine steps")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jspec.sampling_params import SamplingParams
+    from policies import make_policy
+
+    # -- everything checkable without models, before loading anything
+    if args.draft is not None and args.target is None:
+        raise ValueError("--draft needs --target (give both, or neither for the default pair)")
+    sampling_params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    policy_options = parse_policy_options(args.policy_option)
+    if args.num_speculative_tokens < 0:
+        raise ValueError(f"--num-speculative-tokens must be >= 0, got "
+                         f"{args.num_speculative_tokens}")
+    make_policy(args.policy, args.num_speculative_tokens, **policy_options)  # name and options
+    prompts = read_prompts(args)
+
+    # jspec reads checkpoints without torch; transformers' "PyTorch was not found" advice is noise
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from jspec.llm import LLM
+
+    progress = not args.no_progress
+    if args.target is None:
+        print("using the built-in default pair (tiny random models: expect gibberish and low "
+              "acceptance)", file=sys.stderr)
+    elif args.draft is None:
+        print("no --draft: plain autoregressive decoding", file=sys.stderr)
+    # an offline run never needs more rows than prompts, and fewer rows compile fewer buckets
+    max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else min(16, len(prompts))
+    engine_kwargs = {name: getattr(args, name) for name in (
+        "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+        "min_token_bucket") if getattr(args, name) is not None}  # unset: EngineConfig's default
+    llm = LLM(target=args.target, draft=args.draft, tokenizer=args.tokenizer, policy=args.policy,
+              num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
+              max_num_seqs=max_num_seqs, policy_options=policy_options, warmup=False,
+              **engine_kwargs)
+    for prompt in prompts:  # lengths against the context, before the warm-up
+        llm.engine.validate_request(prompt, sampling_params)
+    if not args.no_warmup:
+        _warmup(llm, progress)
+
+    steps_before = llm.engine.metrics.num_steps
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling_params, use_tqdm=progress)
+    seconds = time.perf_counter() - start
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        print(f"### prompt {i} ({out.finish_reason}, {len(out.token_ids)} tokens): {prompt}")
+        print(out.text)
+    print(summary_line(outputs, seconds, llm.engine.metrics.num_steps - steps_before))
+    sys.stdout.flush()
+    return 0
+
+
+def _warmup(llm, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    bar = tqdm(desc="compile", unit="bucket", disable=not progress, leave=False)
+
+    def step(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        n = llm.engine.warmup(step)
+    finally:
+        bar.close()
+    if progress:
+        print(f"compiled {n} shape buckets in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)

@@ -1,0 +1,180 @@
+"""The offline API: ``from jspec import LLM, SamplingParams``; generate / chat over a checkpoint
+pair (the tiny pair, with the shared LLM_KW engine shapes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import LLM_KW
+from jspec.sampling_params import SamplingParams
+
+PROMPTS = ["def fibonacci(n):", "Hello, world! How are you", "The engine serves many requests",
+           "x"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+LLM_GAMMA = LLM_KW["num_speculative_tokens"]
+
+
+def test_import_is_light_and_exports_the_public_names():
+    code = (
+        "import sys, jspec\n"
+        "assert 'jax' not in sys.modules, 'import jspec imported jax'\n"
+        "from jspec import LLM, SamplingParams, RequestOutput, EngineConfig\n"
+        "assert 'jax' not in sys.modules, 'the light names imported jax'\n"
+        "from jspec import LLMEngine, AsyncLLMEngine\n"
+        "import jspec.engine, jspec.async_engine, jspec.llm\n"
+        "assert LLMEngine is jspec.engine.LLMEngine and LLM is jspec.llm.LLM\n"
+        "assert AsyncLLMEngine is jspec.async_engine.AsyncLLMEngine\n"
+        "assert set(jspec.__all__) >= {'LLM', 'SamplingParams', 'RequestOutput', 'EngineConfig',"
+        " 'LLMEngine', 'AsyncLLMEngine'}\n"
+        "try:\n"
+        "    jspec.NoSuchThing\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('unknown attribute did not raise')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_outputs_in_prompt_order(tiny_llm):
+    """Requests finish in a different order than they were given; outputs come back in order."""
+    max_tokens = [20, 3, 11, 1]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    outs = tiny_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.prompt for o in outs] == PROMPTS
+    for out, n in zip(outs, max_tokens):
+        assert out.finished and out.finish_reason == "length"
+        assert len(out.token_ids) == n
+    # the batch does not change greedy results (lossless, and batch-invariant in fp32)
+    alone = tiny_llm.generate(PROMPTS[0], params[0], use_tqdm=False)
+    assert len(alone) == 1 and alone[0].token_ids == outs[0].token_ids
+
+
+def test_max_tokens_length_and_spec_stats(tiny_llm):
+    outs = tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "length" and len(out.token_ids) == GREEDY.max_tokens
+        spec = out.spec
+        assert spec.num_steps >= 1 and spec.num_spec_steps >= 1
+        assert spec.num_drafted >= spec.num_accepted >= 0 and spec.num_drafted > 0
+        assert 0.0 <= spec.acceptance_rate <= 1.0
+        assert 1.0 <= spec.mean_accepted_length <= 1 + LLM_GAMMA
+        # every step emits at least one token; a speculative one at most 1 + accepted
+        assert spec.num_steps <= len(out.token_ids)
+        assert len(out.token_ids) <= spec.num_steps + spec.num_accepted
+    m = tiny_llm.metrics
+    assert m["spec_decode_num_draft_tokens"] > 0 and "acceptance_rate" in m
+
+
+
+def test_text_is_the_decoded_tokens(tiny_llm):
+    tok = tiny_llm.tokenizer
+    outs = tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for out in outs:
+        assert out.prompt_token_ids == tok.encode(out.prompt)
+        decoded = tok.decode(out.token_ids, skip_special_tokens=True)
+        # a random model may end on an incomplete UTF-8 sequence, which the streaming
+        # detokenizer holds back
+        assert decoded.rstrip("\ufffd") == out.text.rstrip("\ufffd")
+
+
+def test_token_id_prompt_equals_text_prompt(tiny_llm):
+    ids = tiny_llm.tokenizer.encode(PROMPTS[1])
+    by_ids, by_text = tiny_llm.generate([ids, PROMPTS[1]], GREEDY, use_tqdm=False)
+    assert by_ids.prompt is None and by_ids.prompt_token_ids == ids
+    assert by_ids.token_ids == by_text.token_ids and by_ids.text == by_text.text
+    # a single token-id list is one prompt, not a batch of one-token prompts
+    (single,) = tiny_llm.generate(ids, GREEDY, use_tqdm=False)
+    assert single.token_ids == by_ids.token_ids
+
+
+def test_stop_string_cuts_the_text(tiny_llm):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    (full,) = tiny_llm.generate(PROMPTS[0], params, use_tqdm=False)
+    text = full.text.rstrip("\ufffd")
+    assert len(text) >= 12, "the tiny model's text is too short for this test"
+    # a stop string from the middle of the text, clear of undecodable bytes
+    stop = next(text[k:k + 3] for k in range(len(text) // 2, len(text) - 3)
+                if "\ufffd" not in text[k:k + 3] and text[k:k + 3].strip())
+    expected = text[:text.index(stop)]
+    stopped_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+    (out,) = tiny_llm.generate(PROMPTS[0], stopped_params, use_tqdm=False)
+    assert out.finish_reason == "stop"
+    assert out.text == expected and stop not in out.text
+    assert len(out.token_ids) < len(full.token_ids)
+    assert out.token_ids == full.token_ids[:len(out.token_ids)]
+
+
+def test_stop_token_ids_end_generation_and_are_returned(tiny_llm):
+    (full,) = tiny_llm.generate(PROMPTS[2], GREEDY, use_tqdm=False)
+    stop_token = full.token_ids[5]
+    cut = full.token_ids.index(stop_token) + 1
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                            stop_token_ids=[stop_token])
+    (out,) = tiny_llm.generate(PROMPTS[2], params, use_tqdm=False)
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[:cut]
+
+
+def test_eos_stops_unless_ignore_eos(tiny_llm):
+    """A random model rarely emits its EOS, so this makes a token it does emit the EOS."""
+    (full,) = tiny_llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)
+    eos = full.token_ids[3]
+    cut = full.token_ids.index(eos) + 1
+    engine = tiny_llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = {eos}
+    try:
+        (stopped,) = tiny_llm.generate(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0),
+                                       use_tqdm=False)
+        (ignored,) = tiny_llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)
+    finally:
+        engine.eos_token_ids = saved
+    assert stopped.finish_reason == "stop" and stopped.token_ids == full.token_ids[:cut]
+    assert ignored.finish_reason == "length" and ignored.token_ids == full.token_ids
+
+
+def test_seeded_sampling_is_reproducible(tiny_llm):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234,
+                            ignore_eos=True)
+    first = tiny_llm.generate(PROMPTS, params, use_tqdm=False)
+    again = tiny_llm.generate(PROMPTS[::-1], params, use_tqdm=False)[::-1]
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+
+
+def test_progress_bar_can_be_disabled(tiny_llm, capsys):
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    tiny_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    tiny_llm.generate(PROMPTS[:2], params, use_tqdm=True)
+    assert "generate" in capsys.readouterr().err
+
+
+def test_chat_applies_the_template(tiny_llm):
+    from models.loader import apply_chat_template
+
+    conversation = [{"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": "Hello, world!"}]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (out,) = tiny_llm.chat(conversation, params, use_tqdm=False)
+    tok = tiny_llm.tokenizer
+    assert out.prompt_token_ids == apply_chat_template(tok, conversation)
+    rendered = tok.decode(out.prompt_token_ids)
+    assert rendered == ("<|im_start|>system\nYou are terse.<|im_end|>\n"
+                        "<|im_start|>user\nHello, world!<|im_end|>\n<|im_start|>assistant\n")
+    assert len(out.token_ids) == 8
+    # a list of conversations gives one output each, in order
+    other = [{"role": "user", "content": "What is the weather like?"}]
+    outs = tiny_llm.chat([conversation, other], params, use_tqdm=False)
+    assert outs[0].token_ids == out.token_ids
+    assert outs[1].prompt_token_ids == apply_chat_template(tok, other)
+
+
+def test_default_sampling_params_and_mismatched_lists(tiny_llm):
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        tiny_llm.generate(PROMPTS[:3], [GREEDY, GREEDY], use_tqdm=False)
+    (out,) = tiny_llm.generate(PROMPTS[0], use_tqdm=False)  # SamplingParams() defaults
+    assert 1 <= len(out.token_ids) <= SamplingParams().max_tokens

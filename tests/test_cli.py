@@ -1,0 +1,159 @@
+"""`jspec generate` through ``jspec.cli.main`` in-process (tiny pair, shared LLM_KW shapes)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import llm_cli_args
+from jspec.cli import main
+from jspec.sampling_params import SamplingParams
+
+SUMMARY = re.compile(
+    r"^summary: (\d+) prompts?, (\d+) tokens in [\d.]+ s \([\d.]+ tokens/s\), "
+    r"acceptance rate ([\d.]+), mean accepted length ([\d.]+), (\d+) drafted / (\d+) accepted, "
+    r"(\d+) engine steps$")
+
+
+def run_cli(capsys, *argv):
+    code = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def summaries(stdout: str) -> list[re.Match]:
+    return [m for m in map(SUMMARY.match, stdout.splitlines()) if m]
+
+
+def test_generate_prints_texts_and_one_summary(capsys, tiny_pair, tiny_llm):
+    target, draft = tiny_pair
+    prompts = ["def fibonacci(n):", "Hello, world!"]
+    code, out, err = run_cli(capsys, "--target", target, "--draft", draft, *llm_cli_args(),
+                             "--prompt", prompts[0], "--prompt", prompts[1],
+                             "--max-tokens", "12", "--ignore-eos", "--no-progress")
+    assert code == 0, err
+    (summary,) = summaries(out)
+    assert out.rstrip("\n").splitlines()[-1] == summary.group(0)  # the last line
+    num_prompts, tokens, acceptance, mean_len, drafted, accepted, steps = (
+        float(g) for g in summary.groups())
+    assert num_prompts == 2 and tokens == 24 and steps >= 1
+    assert drafted > 0 and 0 <= accepted <= drafted and 0 <= acceptance <= 1 and mean_len >= 1
+    # greedy by default: the same text as the API gives
+    expected = tiny_llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                         ignore_eos=True), use_tqdm=False)
+    for i, (prompt, exp) in enumerate(zip(prompts, expected)):
+        assert f"### prompt {i} (length, 12 tokens): {prompt}\n{exp.text}\n" in out
+
+
+def test_prompts_file(capsys, tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    path = tmp_path / "prompts.txt"
+    path.write_text("def fibonacci(n):\n\nHello, world!\nThe engine serves\n")
+    code, out, err = run_cli(capsys, "--target", target, "--draft", draft, *llm_cli_args(),
+                             "--prompts-file", str(path), "--max-tokens", "4", "--no-progress",
+                             "--policy-option", "gamma=7", "--seed", "5", "--temperature", "0.8")
+    assert code == 0, err
+    headers = [line for line in out.splitlines() if line.startswith("### prompt")]
+    prompts = ["def fibonacci(n):", "Hello, world!", "The engine serves"]  # blank line skipped
+    assert len(headers) == 3
+    for i, (header, prompt) in enumerate(zip(headers, prompts)):
+        assert header.startswith(f"### prompt {i} (") and header.endswith(f": {prompt}")
+    (summary,) = summaries(out)
+    assert summary.group(1) == "3"
+
+
+def test_jsonl_prompts_file_and_progress_bars(capsys, tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps("def f(x):\n    return") + "\n" +
+                    json.dumps({"prompt": "Hello"}) + "\n")
+    code, out, err = run_cli(capsys, "--target", target, "--draft", draft, *llm_cli_args(),
+                             "--prompts-file", str(path), "--max-tokens", "3")
+    assert code == 0, err
+    assert "### prompt 0 " in out and "def f(x):\n    return\n" in out
+    assert "### prompt 1 " in out
+    assert summaries(out)[0].group(1) == "2"
+    assert "compiled" in err and "generate" in err  # warm-up note and progress bar on stderr
+
+
+def test_default_pair_and_default_prompt(capsys, monkeypatch, tmp_path):
+    """No --target/--draft: the built-in default pair (built into $JSPEC_CACHE on first use)."""
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    code, out, err = run_cli(capsys, *llm_cli_args(), "--max-tokens", "4", "--no-progress")
+    assert code == 0, err
+    assert "default pair" in err
+    assert "### prompt 0 " in out and "def fibonacci(n):" in out
+    assert len(summaries(out)) == 1
+    assert (tmp_path / "cache" / "tiny-random-pair-v1" / "target" / "config.json").exists()
+
+
+def test_target_without_draft_is_plain_decoding(capsys, tiny_pair):
+    code, out, err = run_cli(capsys, "--target", tiny_pair[0], *llm_cli_args(),
+                             "--prompt", "Hello", "--max-tokens", "5", "--ignore-eos",
+                             "--no-progress")
+    assert code == 0, err
+    assert "plain autoregressive decoding" in err
+    (summary,) = summaries(out)
+    assert summary.group(5) == "0"  # nothing drafted
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+    (["--policy", "nope"], "unknown policy 'nope'; known policies: off, static"),
+    (["--policy-option", "gamma"], "--policy-option expects KEY=VALUE, got 'gamma'"),
+    (["--policy-option", "gamma=99"], "gamma must be in [0, max_gamma=7], got 99"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "word " * 200], "max_model_len is 128"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "cannot read --prompts-file"),
+    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be >= 0, got -1"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(capsys, tiny_pair, extra, message):
+    target, draft = tiny_pair
+    code, out, err = run_cli(capsys, "--target", target, "--draft", draft, *llm_cli_args(),
+                             "--no-progress", *extra)
+    assert code == 2
+    assert "Traceback" not in err and "summary:" not in out
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], err
+
+
+def test_bad_model_arguments(capsys, tiny_pair, tmp_path):
+    from models.tiny import DRAFT_OVERRIDES, write_tiny_checkpoint
+
+    target, draft = tiny_pair
+    code, _, err = run_cli(capsys, "--draft", draft, "--no-progress")
+    assert code == 2 and err.strip() == ("error: --draft needs --target (give both, or neither "
+                                         "for the default pair)")
+    other = write_tiny_checkpoint(tmp_path / "draft-520", "llama", seed=3, vocab_size=520,
+                                  **DRAFT_OVERRIDES)
+    code, _, err = run_cli(capsys, "--target", target, "--draft", other, *llm_cli_args(),
+                           "--no-progress")
+    assert code == 2
+    assert "error: draft vocabulary (520 tokens) differs from the target's (512)" in err
+    code, _, err = run_cli(capsys, "--target", str(tmp_path / "missing"), "--no-progress")
+    assert code == 2 and "does not exist" in err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--max-tokens", "many"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--prompt", "a", "--prompts-file", "b"])
+    assert info.value.code == 2
+    capsys.readouterr()
+
+
+def test_help_is_fast_and_light():
+    """Building the parser (what `jspec --help` does) must not import JAX."""
+    code = ("import sys\n"
+            "from jspec.cli import build_parser\n"
+            "build_parser().parse_args(['generate', '--prompt', 'x'])\n"
+            "assert 'jax' not in sys.modules, 'the CLI parser imported jax'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
