@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --target but no --draft, decoding is plain (no speculation)")
     models.add_argument("--tokenizer", metavar="DIR",
                         help="tokenizer directory (default: the target's)")
-    models.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="parameter and KV-cache dtype (default: %(default)s)")
+    models.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="parameter and KV-cache dtype; auto = float32 on CPU, bfloat16 on "
+                             "accelerators (default: %(default)s)")
 
     spec = parser.add_argument_group("speculation")
     spec.add_argument("--policy", default="static",

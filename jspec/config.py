@@ -25,7 +25,9 @@ class EngineConfig:
     policy: str = "static"
     policy_options: tuple[tuple[str, Any], ...] = ()
     enable_chunked_prefill: bool = True
-    dtype: str = "bfloat16"
+    # "auto": see resolve_dtype (bf16 unless on a CPU backend without jspec.platform's flag);
+    # explicit "bfloat16" / "float32" override it.
+    dtype: str = "auto"
     seed: int = 0
     attention_backend: str = "reference"
     min_token_bucket: int = 8
@@ -43,14 +45,28 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got "
                              f"{self.num_speculative_tokens!r}")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2 (block 0 is reserved)")
 
     @property
     def policy_kwargs(self) -> dict[str, Any]:
         return dict(self.policy_options)
+
+
+def resolve_dtype(dtype: str) -> str:
+    """'auto' -> 'bfloat16' on accelerators and on a CPU backend started with the bf16 flag of
+    ``jspec.platform``; 'float32' on a CPU without it (there bf16 measured 3x slower)."""
+    if dtype != "auto":
+        return dtype
+    import jax
+
+    from jspec.platform import cpu_bf16_flag_set
+
+    if jax.default_backend() == "cpu" and not cpu_bf16_flag_set():
+        return "float32"
+    return "bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)

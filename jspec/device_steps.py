@@ -8,27 +8,20 @@ the draft is, and no host round trip per drafted token.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from jspec.sampler import SamplingTensors, VerifyResult, rejection_sample, row_uniforms, \
-    sample_draft_tokens
+from jspec.sampler import SamplingTensors, row_uniforms, sample_draft_tokens
 from models.config import ModelConfig
 from models.transformer import KVCache, ModelInput, forward
+from pallas_kernels.pytree import array_dataclass
 from pallas_kernels.ragged_paged_attention import AttentionMetadata
 
 _DRAFT_STREAM = 3
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["tokens", "logits", "num_drafted", "confidence", "entropy"],
-    meta_fields=[],
-)
-@dataclasses.dataclass
+@array_dataclass
 class DraftResult:
     """tokens [S, G]; raw draft logits [S, G, V] (float32, needed by the rejection sampler and the
     signals); num_drafted [S]; confidence q(x_j) and entropy of q_j [S, G] (raw distributions)."""
@@ -141,23 +134,6 @@ def verify_forward(
         draft_tokens.reshape(-1), mode="drop")
     batch = ModelInput(input_ids, batch.attn, batch.logits_indices)
     return forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
-
-
-def accept(
-    target_logits: jax.Array,
-    draft_logits: jax.Array,
-    draft_tokens: jax.Array,
-    num_drafted: jax.Array,
-    st: SamplingTensors,
-) -> VerifyResult:
-    """Rejection sampling over the [S*(G+1), V] verify logits.
-
-    Kept apart from the forward so that it is compiled per (sequences, γ) bucket only, not once
-    more for every token bucket: sampling costs far more to compile than the forward does.
-    """
-    num_rows, gamma = draft_tokens.shape
-    logits = target_logits.reshape(num_rows, gamma + 1, target_logits.shape[-1])
-    return rejection_sample(logits, draft_logits, draft_tokens, num_drafted, st)
 
 
 def catch_up(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,

@@ -64,7 +64,9 @@ class LLMEngine:
         if self.policy.max_gamma > self.max_gamma:
             raise ValueError(f"policy max_gamma={self.policy.max_gamma} exceeds "
                              f"num_speculative_tokens={self.max_gamma}")
-        kv_dtype = np.dtype(jax.numpy.bfloat16) if config.dtype == "bfloat16" else np.float32
+        # the KV cache takes the models' dtype unless one is forced
+        kv_dtype = (np.dtype(jax.tree_util.tree_leaves(target.params)[0].dtype)
+                    if config.dtype == "auto" else np.dtype(jax.numpy.dtype(config.dtype)))
         bytes_per_block = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
         if draft is not None:
             bytes_per_block += KVCache.bytes_per_block(draft.cfg, config.block_size, kv_dtype)

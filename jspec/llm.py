@@ -27,6 +27,7 @@ def build_engine(target: str | os.PathLike | None = None, draft: str | os.PathLi
                  *, tokenizer: str | os.PathLike | None = None,
                  policy_obj=None, **engine_kwargs: Any):
     """Load the models and build an LLMEngine; ``target=None`` uses the built-in default pair."""
+    from jspec.config import resolve_dtype
     from jspec.default_models import cache_dir, default_pair
     from jspec.engine import LLMEngine
     from jspec.runner import enable_persistent_compilation_cache
@@ -41,8 +42,9 @@ def build_engine(target: str | os.PathLike | None = None, draft: str | os.PathLi
         target, draft = default_pair()
     policy_options = engine_kwargs.pop("policy_options", None) or {}
     config = EngineConfig(policy_options=tuple(sorted(policy_options.items())), **engine_kwargs)
-    target_model = load_model(target, config.dtype, "target")
-    draft_model = load_model(draft, config.dtype, "draft") if draft is not None else None
+    dtype = resolve_dtype(config.dtype)
+    target_model = load_model(target, dtype, "target")
+    draft_model = load_model(draft, dtype, "draft") if draft is not None else None
     tok = load_tokenizer(tokenizer or target)
     return LLMEngine(target_model, draft_model, config, tokenizer=tok, policy=policy_obj)
 
@@ -63,7 +65,7 @@ class LLM:
 
     def __init__(self, target: str | os.PathLike | None = None,
                  draft: str | os.PathLike | None = None, *, policy: str = "static",
-                 num_speculative_tokens: int = 4, dtype: str = "bfloat16",
+                 num_speculative_tokens: int = 4, dtype: str = "auto",
                  tokenizer: str | os.PathLike | None = None, **engine_kwargs: Any):
         self.engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy,
                                    num_speculative_tokens=num_speculative_tokens, dtype=dtype,

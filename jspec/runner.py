@@ -17,11 +17,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec import device_steps
 from jspec.config import ResolvedConfig
-from jspec.sampler import SamplingTensors
+from jspec.sampler import SamplingTensors, rejection_sample
 from models.config import ModelConfig
 from models.transformer import KVCache, ModelInput
 from pallas_kernels.ragged_paged_attention import (
@@ -171,7 +170,7 @@ class ModelRunner:
                 jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
                 self._sampling_spec(num_seqs),
             )
-            return jax.jit(device_steps.accept).lower(*specs).compile()
+            return jax.jit(rejection_sample).lower(*specs).compile()
 
         return self._executable(("accept", num_seqs, gamma, self.target.cfg.vocab_size), None,
                                 build)

@@ -15,22 +15,17 @@ mismatch (or as the bonus).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.pytree import array_dataclass
 
 _NEG = -1e30
 _PROB_FLOOR = 1e-8  # clamp before logs for KL / entropy signals
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["temperature", "top_k", "top_p", "seeds", "counters"],
-    meta_fields=[],
-)
-@dataclasses.dataclass
+@array_dataclass
 class SamplingTensors:
     """Per-row sampling state, [S] each. counters make each step's key distinct."""
 
@@ -109,12 +104,7 @@ def sample_draft_tokens(logits: jax.Array, st: SamplingTensors, u: jax.Array) ->
     return jax.lax.cond(jnp.any(st.temperature > 0), sampled, lambda _: greedy_tokens, None)
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["tokens", "num_accepted", "accept_prob", "kl", "draft_entropy", "confidence"],
-    meta_fields=[],
-)
-@dataclasses.dataclass
+@array_dataclass
 class VerifyResult:
     """tokens [S, G+1]: accepted drafts then the emitted token (row i emits num_accepted[i] + 1
     tokens). Signals [S, G] per drafted position, from the raw (temperature 1) distributions."""
@@ -134,9 +124,16 @@ def rejection_sample(
     num_drafted: jax.Array,
     st: SamplingTensors,
 ) -> VerifyResult:
-    """target_logits [S, G+1, V]; draft_logits [S, G, V]; draft_tokens [S, G]; num_drafted [S]."""
-    num_rows, width, vocab = target_logits.shape
-    gamma = width - 1
+    """target_logits [S, G+1, V] (or the verify forward's flat [S*(G+1), V]); draft_logits
+    [S, G, V]; draft_tokens [S, G]; num_drafted [S].
+
+    The runner compiles this apart from the target forward, per (sequences, γ) bucket only:
+    sampling costs far more to compile than the forward, which also varies with the token bucket.
+    """
+    num_rows, gamma = draft_tokens.shape
+    if target_logits.ndim == 2:
+        target_logits = target_logits.reshape(num_rows, gamma + 1, target_logits.shape[-1])
+    vocab = target_logits.shape[-1]
     positions = jnp.arange(gamma)
     drafted = positions[None, :] < num_drafted[:, None]  # [S, G]
     target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, G+1]

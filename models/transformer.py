@@ -10,8 +10,6 @@ ever owns.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -19,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from pallas_kernels.pytree import array_dataclass
 from pallas_kernels.ragged_paged_attention import (
     AttentionMetadata,
     ragged_paged_attention_reference,
@@ -28,8 +27,7 @@ from pallas_kernels.ragged_paged_attention import (
 AttentionFn = Callable[..., jax.Array]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
-@dataclasses.dataclass
+@array_dataclass
 class KVCache:
     """A model's paged KV pool: k and v are [layers, num_blocks, block_size, kv_heads, head_dim]."""
 
@@ -54,12 +52,7 @@ class KVCache:
         return 2 * cfg.num_layers * block_size * cfg.kv_size * jnp.dtype(dtype).itemsize
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["input_ids", "attn", "logits_indices"],
-    meta_fields=[],
-)
-@dataclasses.dataclass
+@array_dataclass
 class ModelInput:
     """input_ids [T]; attention metadata; logits_indices [R] (flat token rows to score)."""
 

@@ -16,21 +16,15 @@ rather than at the page-table width.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.pytree import array_dataclass
 
 _MASKED = -1e30  # finite, so fully masked chunks never produce inf - inf
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["positions", "cu_q_lens", "kv_lens", "page_table"],
-    meta_fields=[],
-)
-@dataclasses.dataclass
+@array_dataclass
 class AttentionMetadata:
     """Where each flat token belongs and where its sequence's K/V live.
 

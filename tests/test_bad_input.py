@@ -117,7 +117,7 @@ def test_bad_policy_options(tiny_pair, options, message):
     (dict(max_model_len=1024), "max_model_len=1024 exceeds the target model's "
                                "max_position_embeddings=512"),
     (dict(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
-    (dict(dtype="float16"), "dtype must be 'bfloat16' or 'float32', got 'float16'"),
+    (dict(dtype="float16"), "dtype must be 'auto', 'bfloat16' or 'float32', got 'float16'"),
     (dict(num_kv_blocks=1), "num_kv_blocks must be >= 2"),
 ])
 def test_bad_engine_config(tiny_pair, overrides, message):
