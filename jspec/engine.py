@@ -78,7 +78,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.rc.max_num_batched_tokens,
             max_model_len=self.rc.max_model_len,
-            lookahead_slots=self.max_gamma,
+            # reserve only what the policy can ever use (none for "off")
+            lookahead_slots=max(self.policy.possible_gammas()),
             enable_chunked_prefill=config.enable_chunked_prefill,
         ), self.block_manager)
         self.runner = ModelRunner(target, draft, self.rc, self.gamma_buckets, kv_dtype)
