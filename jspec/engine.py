@@ -355,6 +355,10 @@ class LLMEngine:
     def _commit(self, rows, result, drafted) -> list[RequestOutput]:
         outputs = []
         now = time.perf_counter()
+        # Python lists: indexing them per row is several times cheaper than numpy scalars
+        accepted_all = result.num_accepted.tolist()
+        tokens_all = result.tokens.tolist()
+        drafted = np.asarray(drafted).tolist()
         for i, row in enumerate(rows):
             seq = row.seq
             req = self._requests[seq.request_id]
@@ -364,25 +368,25 @@ class LLMEngine:
                 seq.num_computed += row.num_new_tokens
                 continue
             if row.is_decode:
-                n = int(min(result.num_accepted[i], row.gamma))
-                new_tokens = result.tokens[i, :n + 1].tolist()
+                n = min(accepted_all[i], row.gamma)
+                new_tokens = tokens_all[i][:n + 1]
                 seq.num_computed = old_num_tokens + n
                 if row.gamma > 0:
-                    d = int(min(drafted[i], row.gamma))
+                    d = min(drafted[i], row.gamma)
                     seq.num_draft_computed = min(old_num_tokens + max(d - 1, 0),
                                                  old_num_tokens + n)
                     seq.num_drafted += d
                     seq.num_accepted += n
                     seq.num_spec_steps += 1
             else:
-                new_tokens = [int(result.tokens[i, 0])]
+                new_tokens = tokens_all[i][:1]
                 seq.num_computed += row.num_new_tokens
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.num_steps += 1
             status = None
             for tok in new_tokens:
-                status = self._append(req, int(tok))
+                status = self._append(req, tok)
                 row.num_emitted += 1
                 if status is not None:
                     break

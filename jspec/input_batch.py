@@ -65,34 +65,49 @@ def verify_input(rows: list[RowWork], num_tokens: int, num_rows: int, gamma: int
     """The target batch (drafted tokens as placeholders) and where the drafts go.
 
     Returns (batch, draft_slots [S, G]); a slot of ``num_tokens`` means "not verified" (dropped
-    by the device-side scatter).
+    by the device-side scatter). Per-row work is a few Python scalars; the arrays are built in
+    bulk (this runs every step).
     """
-    input_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    cu_q_lens = np.zeros(num_rows + 1, np.int32)
-    kv_lens = np.zeros(num_rows, np.int32)
-    logits_indices = np.zeros((num_rows, gamma + 1), np.int32)
-    draft_slots = np.full((num_rows, max(gamma, 0)), num_tokens, np.int32)
-    cols = np.arange(gamma + 1)
-    start = 0
+    n = len(rows)
+    q_lens = np.empty(n, np.int64)
+    firsts = np.empty(n, np.int64)
+    gammas = np.zeros(n, np.int64)
     for i, row in enumerate(rows):
-        seq = row.seq
-        first = seq.num_computed
+        firsts[i] = row.seq.num_computed
         if row.is_decode:
-            q_len = 1 + row.gamma
-            input_ids[start] = seq.token_at(first)
-            logits_indices[i] = start + np.minimum(cols, row.gamma)
-            if row.gamma:
-                draft_slots[i, :row.gamma] = start + 1 + np.arange(row.gamma)
+            q_lens[i] = 1 + row.gamma
+            gammas[i] = row.gamma
         else:
-            q_len = row.num_new_tokens
-            input_ids[start:start + q_len] = seq.token_ids()[first:first + q_len]
-            logits_indices[i] = start + q_len - 1
-        positions[start:start + q_len] = np.arange(first, first + q_len)
-        kv_lens[i] = first + q_len
-        start += q_len
-        cu_q_lens[i + 1] = start
-    cu_q_lens[len(rows) + 1:] = start
+            q_lens[i] = row.num_new_tokens
+    ends = np.cumsum(q_lens)
+    starts = ends - q_lens
+    total = int(ends[-1]) if n else 0
+
+    input_ids = np.zeros(num_tokens, np.int32)
+    for i, row in enumerate(rows):
+        seq, first = row.seq, row.seq.num_computed
+        if row.is_decode:  # the newest token; its drafts are scattered in on device
+            input_ids[starts[i]] = seq.token_at(first)
+        else:
+            input_ids[starts[i]:ends[i]] = seq.token_ids()[first:first + row.num_new_tokens]
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:total] = np.arange(total) - np.repeat(starts - firsts, q_lens)
+    cu_q_lens = np.full(num_rows + 1, total, np.int32)
+    cu_q_lens[0] = 0
+    cu_q_lens[1:n + 1] = ends
+    kv_lens = np.zeros(num_rows, np.int32)
+    kv_lens[:n] = firsts + q_lens
+    # logits rows [S, G+1]: decode row i judges its drafts at start_i + j (j <= γ_i); a prefill
+    # row only needs its last token (every column points there)
+    cols = np.arange(gamma + 1)
+    base = np.where(gammas > 0, 0, q_lens - 1)
+    logits_indices = np.zeros((num_rows, gamma + 1), np.int32)
+    logits_indices[:n] = (starts + base)[:, None] + np.minimum(cols[None, :], gammas[:, None])
+    draft_slots = np.full((num_rows, gamma), num_tokens, np.int32)
+    if gamma:
+        j = np.arange(gamma)
+        draft_slots[:n] = np.where(j[None, :] < gammas[:, None], starts[:, None] + 1 + j[None, :],
+                                   num_tokens)
     batch = _model_input(input_ids, positions, cu_q_lens, kv_lens, table,
                          logits_indices.reshape(-1))
     return batch, draft_slots
