@@ -10,6 +10,8 @@ import sys
 # name -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS = {
     "generate": ("jspec.cli_generate", "generate text with speculative decoding"),
+    "train": ("jspec.cli_train", "train the target model (and tokenizer) on the stdlib corpus"),
+    "distill": ("jspec.cli_train", "distil a draft model from a trained target"),
 }
 
 # `jspec bench NAME`: each module defines `add_arguments(parser)` and `run(args) -> int`.

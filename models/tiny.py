@@ -94,41 +94,12 @@ _PRETOKENIZE_REGEX = (
 
 def build_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, corpus: str | None = None):
     """A byte-level BPE ``PreTrainedTokenizerFast`` with pad/bos/eos, ChatML tokens and a chat
-    template. Byte-level means every (NFC-normalized) string round-trips through encode/decode."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    template, trained on a short built-in text. Byte-level means every (NFC-normalized) string
+    round-trips through encode/decode."""
+    from models.tokenizer_train import train_tokenizer  # it imports this module's constants
 
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special "
-                         f"tokens), got {vocab_size}")
-    tok = Tokenizer(models.BPE())
-    # The same pipeline transformers' Qwen2Tokenizer rebuilds in code when it loads a qwen2
-    # checkpoint, so the tokenizer encodes identically whichever class loads it.
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([corpus if corpus is not None else _CORPUS], trainer=trainer)
-    for i, token in enumerate(SPECIAL_TOKENS):  # the ids everything else relies on
-        assert tok.token_to_id(token) == i, (token, tok.token_to_id(token))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-        model_max_length=4096,
-    )
+    return train_tokenizer([corpus if corpus is not None else _CORPUS], vocab_size=vocab_size,
+                           min_frequency=0)
 
 
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {

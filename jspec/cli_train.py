@@ -1,0 +1,143 @@
+"""`jspec train` and `jspec distill`: train the built-in target / distil its draft on the stdlib
+corpus (see models/train.py for the recipe and models/corpus.py for the data and split).
+
+`jspec train --out DIR` writes an HF checkpoint (weights, config, tokenizer) to DIR; the orbax
+training state lives in `--checkpoint-dir` (default `DIR.train-state`, outside the checkpoint),
+together with the tokenizer the run uses, so `--resume` continues with the same vocabulary and
+the same batches. `jspec distill --target DIR --out DIR2` trains a draft against the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# `jspec distill` shares this module; cli.py maps both names here and `run` dispatches on
+# args._train_mode (set by add_arguments via the parser's prog name).
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output HF checkpoint directory")
+    parser.add_argument("--config", choices=("tiny", "default"), default="default",
+                        help="model shape (models/train.py: config_for)")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=int, default=200,
+                        help="save the training state every N steps (and at the end)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="orbax training state directory (default: OUT.train-state)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--no-tests", action="store_true",
+                        help="leave the stdlib's test directories out of the corpus")
+    parser.add_argument("--max-files", type=int, default=None,
+                        help="use only the first N training files (quick runs)")
+    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--export-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--eval-windows", type=int, default=64,
+                        help="held-out windows to evaluate at the end (0: skip)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    mode = "distill" if parser.prog.split()[-1] == "distill" else "train"
+    parser.set_defaults(_train_mode=mode)
+    _common(parser)
+    if mode == "train":
+        parser.add_argument("--tokenizer", default=None,
+                            help="HF tokenizer directory (default: train one on the corpus)")
+        parser.add_argument("--vocab-size", type=int, default=None,
+                            help="BPE vocabulary when training a tokenizer (default: 4096; "
+                                 "512 for --config tiny)")
+    else:
+        parser.add_argument("--target", required=True, help="target HF checkpoint directory")
+        parser.add_argument("--independent", action="store_true",
+                            help="train the draft on the data alone (cross entropy), no KL")
+
+
+def _load_corpus(args, tokenizer):
+    import numpy as np
+
+    from models.corpus import discover, pack, read_texts, split_files, tokenize_documents
+
+    train_files, held_files = split_files(discover(include_tests=not args.no_tests))
+    if args.max_files is not None:
+        train_files = train_files[:args.max_files]
+    eos = tokenizer.eos_token_id
+    windows = pack(tokenize_documents(tokenizer, read_texts(train_files)), args.seq_len, eos,
+                   seed=args.seed)
+    held = pack(tokenize_documents(tokenizer, read_texts(held_files)), args.seq_len, eos,
+                seed=args.seed)
+    print(f"corpus: {len(train_files)} train files -> {windows.shape[0]} windows "
+          f"({windows.shape[0] * args.seq_len:,} tokens); {len(held_files)} held-out files -> "
+          f"{held.shape[0]} windows")
+    return windows, held[:args.eval_windows] if args.eval_windows else np.zeros((0, 1), np.int32)
+
+
+def run(args) -> int:
+    import jax.numpy as jnp
+
+    from models.loader import load_checkpoint, load_tokenizer
+    from models.modeling import params_for_module
+    from models.tokenizer_train import save_tokenizer, train_stdlib_tokenizer
+    from models.train import (TrainConfig, config_for, eval_loss, export_hf, greedy_agreement,
+                              train)
+
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    ckpt_dir = os.path.abspath(args.checkpoint_dir or args.out.rstrip("/") + ".train-state")
+    if not args.resume and os.path.isdir(ckpt_dir) and any(
+            e.isdigit() for e in os.listdir(ckpt_dir)):
+        raise ValueError(f"{ckpt_dir!r} already holds training checkpoints; pass --resume to "
+                         "continue, or remove it")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    tok_dir = os.path.join(ckpt_dir, "tokenizer")
+
+    teacher = None
+    if args._train_mode == "distill":
+        tokenizer = load_tokenizer(args.target)
+        t_cfg, t_params = load_checkpoint(args.target, dtype=jnp.float32)
+        teacher = (t_cfg, params_for_module(t_cfg, t_params))
+        cfg = config_for(args.config, "draft", vocab_size=t_cfg.vocab_size)
+    else:
+        if os.path.isdir(tok_dir):
+            tokenizer = load_tokenizer(tok_dir)
+        elif args.tokenizer:
+            tokenizer = load_tokenizer(args.tokenizer)
+        else:
+            vocab = args.vocab_size or (512 if args.config == "tiny" else 4096)
+            print(f"training a {vocab}-token byte-level BPE on the stdlib train split ...")
+            tokenizer = train_stdlib_tokenizer(vocab, include_tests=not args.no_tests,
+                                               max_files=args.max_files)
+        cfg = config_for(args.config, "target", vocab_size=len(tokenizer))
+    if not os.path.isdir(tok_dir):
+        save_tokenizer(tokenizer, tok_dir)
+    if args.seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds max positions "
+                         f"{cfg.max_position_embeddings}")
+
+    windows, held = _load_corpus(args, tokenizer)
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                     lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
+                     compute_dtype=args.compute_dtype,
+                     distill_mode="ce" if getattr(args, "independent", False) else "kl")
+    print(f"model: {cfg.num_params() / 1e6:.2f}M params; {tc.steps} steps x "
+          f"{tc.batch_size * tc.seq_len} tokens")
+    state = train(cfg, windows, tc, checkpoint_dir=ckpt_dir,
+                  checkpoint_every=args.checkpoint_every, resume=args.resume, teacher=teacher,
+                  progress=not args.no_progress, desc=args._train_mode)
+    params = state["params"]
+    if len(held) and held.shape[1] == args.seq_len + 1:
+        bs = min(8, len(held))
+        print(f"held-out loss: {eval_loss(cfg, params, held, bs):.4f}")
+        if teacher is not None:
+            agree = greedy_agreement(cfg, params, teacher[0], teacher[1], held, bs)
+            print(f"held-out greedy agreement with the target: {agree:.3f}")
+    export_hf(args.out, cfg, params, tokenizer, dtype=jnp.dtype(args.export_dtype))
+    print(f"wrote {args.out}")
+    return 0
