@@ -442,7 +442,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, prompt=req.prompt,
             prompt_token_ids=seq.prompt_token_ids, text=text,
-            token_ids=list(seq.output_token_ids), delta_text=delta_text,
+            token_source=seq.output_token_ids, num_tokens=seq.num_output_tokens,
+            delta_text=delta_text,
             delta_token_ids=delta_ids, finished=finished,
             finish_reason=seq.status.value if finished else None,
             spec=SpecStats(seq.num_drafted, seq.num_accepted, seq.num_spec_steps, seq.num_steps),

@@ -35,13 +35,21 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
-    token_ids: list[int]
+    # The request's output-token list (shared, append-only) and how much of it this output
+    # covers: ``token_ids`` is sliced on access, so streaming a long request costs O(1) per step
+    # instead of copying every token every step.
+    token_source: list[int] = dataclasses.field(repr=False)
+    num_tokens: int
     delta_text: str
     delta_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     spec: SpecStats
     metrics: dict = dataclasses.field(default_factory=dict)  # arrival, first token, finish times
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.token_source[:self.num_tokens]
 
     # vLLM-style accessors so code written for vLLM reads naturally
     @property
