@@ -157,3 +157,28 @@ def test_help_is_fast_and_light():
             "build_parser().parse_args(['generate', '--prompt', 'x'])\n"
             "assert 'jax' not in sys.modules, 'the CLI parser imported jax'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_generate_in_a_fresh_process_runs_bf16_with_the_cpu_flag(tiny_pair, tmp_path):
+    """The real entry point: a new process, where `jspec` sets the CPU bf16 flag before JAX starts
+    and dtype 'auto' resolves to bfloat16 (in-process tests cannot cover this: JAX is up)."""
+    import os
+
+    target, draft = tiny_pair
+    code = (
+        "import sys\n"
+        "from jspec.cli import main\n"
+        f"rc = main(['generate', '--target', {str(target)!r}, '--draft', {str(draft)!r},\n"
+        "            '--prompt', 'def f(x):', '--max-tokens', '8', '--max-num-seqs', '2',\n"
+        "            '--max-model-len', '64', '--max-num-batched-tokens', '16',\n"
+        "            '--num-speculative-tokens', '2', '--no-progress'])\n"
+        "from jspec.config import resolve_dtype\n"
+        "from jspec.platform import cpu_bf16_flag_set\n"
+        "assert cpu_bf16_flag_set() and resolve_dtype('auto') == 'bfloat16'\n"
+        "sys.exit(rc)\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JSPEC_CACHE"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "summary: 1 prompt, 8 tokens" in proc.stdout
