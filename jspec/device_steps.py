@@ -8,7 +8,6 @@ the draft is, and no host round trip per drafted token.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

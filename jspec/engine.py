@@ -212,8 +212,8 @@ class LLMEngine:
         draft = None
         if gamma > 0:
             catch_up_time, catch_up_tokens = self._catch_up(rows, table)
-            draft, num_drafted, draft_time = self._draft(rows, decode_idx, view, plan, gamma,
-                                                         num_rows, table, st)
+            draft, num_drafted, draft_time = self._draft(rows, decode_idx, decode_rows, view,
+                                                         plan, gamma, num_rows, table, st)
 
         # -- verify: one target pass over the ragged batch, rejection sampling on device
         num_tokens = sum((1 + r.gamma) if r.is_decode else r.num_new_tokens for r in rows)
@@ -274,7 +274,7 @@ class LLMEngine:
         self.runner.sync_draft()
         return time.perf_counter() - t0, num_tokens
 
-    def _draft(self, rows, decode_idx, view, plan, gamma, num_rows, table, st):
+    def _draft(self, rows, decode_idx, decode_rows, view, plan, gamma, num_rows, table, st):
         """Run the draft loop; returns (DraftResult, tokens to verify per row, seconds)."""
         first, next_positions, gammas = ib.draft_first_input(rows, num_rows, table)
         stop_conf = np.zeros(num_rows, np.float32)
@@ -288,7 +288,7 @@ class LLMEngine:
                                       st, gamma)
         num_drafted = draft.num_drafted
         if self.policy.wants_select:
-            num_drafted = self._select(view, decode_idx, [rows[i] for i in decode_idx], draft)
+            num_drafted = self._select(view, decode_idx, decode_rows, draft)
         else:
             jax.block_until_ready(num_drafted)  # so draft and verify time are told apart
         return draft, num_drafted, time.perf_counter() - t0

@@ -141,3 +141,35 @@ def test_chunked_prefill_shares_steps_with_decode(engine_models, mixed_prompts, 
     assert mixed_steps > 0
     for i, ref in enumerate(reference):
         assert done[str(i)].token_ids == ref, f"prompt {i}"
+
+
+class TrimmingPolicy(Policy):
+    """Test policy: drafts γ = max_gamma, then verifies only a random prefix of each draft
+    (exercises select(): the host copy of draft stats and the trimmed verify batch)."""
+
+    name = "trimming"
+
+    def __init__(self, max_gamma: int, seed: int = 0):
+        super().__init__(max_gamma)
+        self.rng = np.random.default_rng(seed)
+        self.trimmed = 0
+
+    def plan(self, view):
+        return DraftPlan(gammas=np.full(view.num_decode, self.max_gamma))
+
+    def select(self, view, stats):
+        assert stats.confidence.shape[0] == view.num_decode
+        keep = self.rng.integers(0, stats.num_drafted + 1)
+        self.trimmed += int((stats.num_drafted - keep).sum())
+        return keep
+
+
+def test_select_trimmed_verification_equals_target(engine_models, mixed_prompts, reference):
+    target, draft, _ = engine_models
+    policy = TrimmingPolicy(max_gamma=7, seed=2)
+    engine = make_engine(target, draft, policy=policy)
+    outs = run_to_completion(engine, mixed_prompts, GREEDY)
+    for i, ref in enumerate(reference):
+        assert outs[str(i)].token_ids == ref, f"prompt {i}"
+    assert policy.trimmed > 0
+    assert engine.metrics.gamma_histogram[:7].sum() > 0  # trimmed lengths are what was verified
