@@ -18,6 +18,8 @@ COMMANDS = {
 BENCHMARKS = {
     "model-step": ("jspec.bench.model_step", "forward step time over batch x tokens per sequence"),
     "overhead": ("jspec.bench.overhead", "host-side overhead per engine step"),
+    "pair": ("jspec.bench.pair", "acceptance and cost of a target/draft pair on held-out code"),
+    "kernels": ("jspec.bench.kernels", "Pallas kernels vs references vs the bandwidth roofline"),
 }
 
 

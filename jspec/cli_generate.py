@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in blocks (default: max-num-seqs full sequences)")
     engine.add_argument("--min-token-bucket", type=int, default=None,
                         help="smallest token-count shape bucket (default: 8)")
+    engine.add_argument("--kernel-backend", choices=["auto", "pallas", "interpret", "reference"],
+                        default=None,
+                        help="attention / KV-migration kernels: auto = Pallas on a GPU where they "
+                             "compile, else the jnp reference (default: auto)")
     engine.add_argument("--no-warmup", action="store_true",
                         help="skip compiling every shape bucket up front (first steps then "
                              "compile as they go)")
@@ -176,15 +180,16 @@ def run(args: argparse.Namespace) -> int:
 
     progress = not args.no_progress
     if args.target is None:
-        print("using the built-in default pair (tiny random models: expect gibberish and low "
-              "acceptance)", file=sys.stderr)
+        from jspec.default_models import describe_default_pair
+
+        print(f"using {describe_default_pair()}", file=sys.stderr)
     elif args.draft is None:
         print("no --draft: plain autoregressive decoding", file=sys.stderr)
     # an offline run never needs more rows than prompts, and fewer rows compile fewer buckets
     max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else min(16, len(prompts))
     engine_kwargs = {name: getattr(args, name) for name in (
         "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-        "min_token_bucket") if getattr(args, name) is not None}  # unset: EngineConfig's default
+        "min_token_bucket", "kernel_backend") if getattr(args, name) is not None}  # unset: EngineConfig's default
     llm = LLM(target=args.target, draft=args.draft, tokenizer=args.tokenizer, policy=args.policy,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
               max_num_seqs=max_num_seqs, policy_options=policy_options, warmup=False,

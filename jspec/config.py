@@ -29,7 +29,9 @@ class EngineConfig:
     # explicit "bfloat16" / "float32" override it.
     dtype: str = "auto"
     seed: int = 0
-    attention_backend: str = "reference"
+    # kernels: "auto" (Pallas on a GPU where they compile, else the jnp reference), "pallas",
+    # "interpret" (Pallas interpreter, any platform, slow) or "reference"; pallas_kernels/backend.py
+    kernel_backend: str = "auto"
     min_token_bucket: int = 8
     warmup: bool = True  # compile every bucket at start-up
 
@@ -47,6 +49,9 @@ class EngineConfig:
                              f"{self.num_speculative_tokens!r}")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.kernel_backend not in ("auto", "pallas", "interpret", "reference"):
+            raise ValueError(f"kernel_backend must be 'auto', 'pallas', 'interpret' or "
+                             f"'reference', got {self.kernel_backend!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2 (block 0 is reserved)")
 

@@ -1,8 +1,11 @@
 """The built-in default model pair used when no model is given.
 
-Until the trained default pair ships in the repository, the default is a tiny random pair built
-by our own code on first use (no download) and cached on disk; it exercises every code path but
-its draft agrees with its target only by chance.
+The pair ships in the repository under ``models/default_pair/`` (``target`` and ``draft``, HF
+checkpoints in bf16 safetensors with their tokenizer; trained on the CPython standard library by
+``jspec train`` / ``jspec distill``, see the model card ``models/default_pair/README.md``). When
+those files are missing (a stripped install), the default falls back to a tiny random pair built
+by our own code on first use and cached on disk: it exercises every code path, but its draft
+agrees with its target only by chance.
 """
 
 from __future__ import annotations
@@ -10,14 +13,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "models" / "default_pair"
+
 
 def cache_dir() -> Path:
     root = os.environ.get("JSPEC_CACHE") or os.path.join(Path.home(), ".cache", "jspec")
     return Path(root)
 
 
-def default_pair() -> tuple[str, str]:
-    """(target_dir, draft_dir) of the default pair, building it if needed."""
+def shipped_pair() -> tuple[str, str] | None:
+    """(target_dir, draft_dir) of the shipped trained pair, or None if it is not installed."""
+    target, draft = SHIPPED_DIR / "target", SHIPPED_DIR / "draft"
+    for d in (target, draft):
+        if not (d / "config.json").exists() or not (d / "model.safetensors").exists():
+            return None
+    return str(target), str(draft)
+
+
+def tiny_random_pair() -> tuple[str, str]:
+    """(target_dir, draft_dir) of the tiny random pair, building it if needed."""
     from models.tiny import write_tiny_pair
 
     root = cache_dir() / "tiny-random-pair-v1"
@@ -27,3 +41,15 @@ def default_pair() -> tuple[str, str]:
         target_path, draft_path = write_tiny_pair(root, model_type="llama", seed=0)
         return str(target_path), str(draft_path)
     return str(target), str(draft)
+
+
+def default_pair() -> tuple[str, str]:
+    """(target_dir, draft_dir): the shipped pair, else the tiny random one."""
+    return shipped_pair() or tiny_random_pair()
+
+
+def describe_default_pair() -> str:
+    if shipped_pair() is not None:
+        return ("the built-in default pair (models/default_pair: a target and its distilled "
+                "draft, trained on the CPython standard library)")
+    return "the tiny random fallback pair (expect gibberish and low acceptance)"

@@ -23,10 +23,9 @@ from jspec.config import ResolvedConfig
 from jspec.sampler import SamplingTensors, rejection_sample
 from models.config import ModelConfig
 from models.transformer import KVCache, ModelInput
-from pallas_kernels.ragged_paged_attention import (
-    AttentionMetadata,
-    ragged_paged_attention_reference,
-)
+from pallas_kernels import backend as kernel_backend
+from pallas_kernels.kv_migration import pad_pairs, validate_pairs
+from pallas_kernels.ragged_paged_attention import AttentionMetadata
 
 # ----------------------------------------------------------------------------- compile tracking
 _compile_lock = threading.Lock()
@@ -62,12 +61,6 @@ def _spec(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def _attention_fn(backend: str) -> Callable:
-    if backend == "reference":
-        return ragged_paged_attention_reference
-    raise ValueError(f"attention_backend {backend!r} is not available; available: reference")
-
-
 @dataclasses.dataclass
 class LoadedModel:
     cfg: ModelConfig
@@ -83,13 +76,14 @@ class ModelRunner:
         self.rc = rc
         self.gamma_buckets = gamma_buckets
         self.kv_dtype = kv_dtype
-        self.attention_backend = rc.engine.attention_backend
-        self._attn = _attention_fn(self.attention_backend)
+        self.kernel_backend = kernel_backend.resolve(rc.engine.kernel_backend)
+        self._attn = kernel_backend.attention_fn(self.kernel_backend)
         self.target_kv = KVCache.create(target.cfg, rc.num_kv_blocks, rc.engine.block_size,
                                         kv_dtype)
         self.draft_kv = (KVCache.create(draft.cfg, rc.num_kv_blocks, rc.engine.block_size,
                                         kv_dtype) if draft is not None else None)
         self._local: dict[tuple, Any] = {}
+        self._migrate = None
         self.num_compiled = 0  # executables this runner had to build (not found in the cache)
         self.compile_seconds = 0.0
 
@@ -109,7 +103,7 @@ class ModelRunner:
         # sampling-only executables (model None) do not touch the KV pool
         geometry = () if model is None else (str(self.kv_dtype), self.rc.num_kv_blocks,
                                              self.rc.engine.block_size, self.rc.max_pages,
-                                             self.attention_backend)
+                                             self.kernel_backend)
         full_key = (key, model_key, geometry)
         with _compile_lock:
             exe = _EXECUTABLES.get(full_key)
@@ -225,6 +219,25 @@ class ModelRunner:
     def run_catch_up(self, batch: ModelInput) -> None:
         exe = self.catch_up_executable(batch.input_ids.shape[0], batch.attn.kv_lens.shape[0])
         self.draft_kv = exe(self.draft.params, self.draft_kv, batch)
+
+    def migrate_blocks(self, pairs) -> int:
+        """Copy KV blocks (src, dst) in every pool this runner holds (target and draft), in
+        place, one kernel launch per pool. Destinations must be free blocks (validated here:
+        ``pallas_kernels.kv_migration.validate_pairs``); the caller rewrites its page tables.
+        Pair counts are padded to a power of two so a few compiles cover every plan."""
+        pairs = validate_pairs(pairs, self.rc.num_kv_blocks)
+        if not len(pairs):
+            return 0
+        bucket = 1 << (len(pairs) - 1).bit_length()
+        padded = jnp.asarray(pad_pairs(pairs, bucket))
+        if self._migrate is None:
+            self._migrate = kernel_backend.migration_fn(self.kernel_backend)
+        k, v = self._migrate(self.target_kv.k, self.target_kv.v, padded)
+        self.target_kv = KVCache(k, v)
+        if self.draft_kv is not None:
+            k, v = self._migrate(self.draft_kv.k, self.draft_kv.v, padded)
+            self.draft_kv = KVCache(k, v)
+        return len(pairs)
 
     def sync_draft(self) -> None:
         if self.draft_kv is not None:

@@ -156,3 +156,38 @@ def batch_indices(step: int, batch_size: int, num_windows: int, seed: int) -> np
 
 def get_batch(windows: np.ndarray, step: int, batch_size: int, seed: int) -> np.ndarray:
     return windows[batch_indices(step, batch_size, len(windows), seed)]
+
+
+def function_prompts(files: Iterable[SourceFile], max_chars: int = 1200) -> list[str]:
+    """Code-completion prompts: every function or method with a docstring, cut after the
+    docstring (signature + docstring, dedented to the ``def``, ending in a newline so the model
+    continues with the body). In file order, then source order; prompts longer than
+    ``max_chars`` are skipped. Used with the held-out split to measure the default pair."""
+    import ast
+    import textwrap
+
+    prompts = []
+    for f in files:
+        text = f.read()
+        lines = text.splitlines()
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        nodes = [n for n in ast.walk(tree)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and ast.get_docstring(n) is not None]
+        for node in sorted(nodes, key=lambda n: n.lineno):
+            doc = node.body[0]
+            snippet = "\n".join(lines[node.lineno - 1:doc.end_lineno])
+            if doc.end_lineno is None or len(snippet) > max_chars:
+                continue
+            prompts.append(textwrap.dedent(snippet) + "\n")
+    return prompts
+
+
+def heldout_function_prompts(limit: int | None = None, max_chars: int = 1200) -> list[str]:
+    """``function_prompts`` of the held-out split (test directories excluded)."""
+    _, held = split_files(discover(include_tests=False))
+    prompts = function_prompts(held, max_chars)
+    return prompts if limit is None else prompts[:limit]

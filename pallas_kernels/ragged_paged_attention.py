@@ -8,16 +8,37 @@ visible to a query at position ``qp`` iff ``kp <= qp`` (and ``kp > qp - window``
 window). Stale K/V left behind a rolled-back sequence sits at positions above every live query and
 is masked by the same rule, which is why rollback needs no data movement.
 
-This module holds the metadata pytree and the pure-jnp reference. The reference walks the keys in
-chunks of pages with an online softmax (flash-attention style), so memory stays bounded by
-``tokens x chunk`` however long the contexts are, and the loop stops at the longest live context
-rather than at the page-table width.
+This module holds the metadata pytree, the pure-jnp reference and the Pallas kernel.
+
+Reference: walks the keys in chunks of pages with an online softmax (flash-attention style), so
+memory stays bounded by ``tokens x chunk`` however long the contexts are, and the loop stops at
+the longest live context rather than at the page-table width.
+
+Kernel (``ragged_paged_attention``): one launch for the whole ragged batch. Each sequence's new
+tokens are cut into *query tiles* of ``q_block`` tokens; a tile never spans two sequences, so a
+batch of T tokens over S sequences has at most ``ceil(T / q_block) + S`` tiles, and the grid is
+(that bound, kv_heads). A grid step takes one tile and one kv head; its rows are the tile's tokens
+times the query heads of that kv head (GQA: the K/V page is read once for the whole group), and
+it loops over the sequence's pages *inside* the kernel (a ``fori_loop`` from the first page a
+sliding window can see to the page holding the tile's last position), with an online softmax in
+float32. Tiles past the batch's last one find zero pages and write zeros nobody reads. Each grid
+step writes its own output tile, so no two steps ever write the same memory; the wrapper gathers
+the tiles back into token order. Prefill chunks, 1-token decode and γ+1-token verification are
+all just tiles, which is what lets one launch serve the mixed batches speculative decoding makes.
+Causality is by absolute position, exactly as in the reference.
+
+Why loop over pages inside the kernel rather than one grid step per page: on a GPU a grid step
+per (tile, page) would need a cross-step reduction of the softmax state; and Pallas interpret mode
+(the CPU test path) pays per grid step, so a page grid would make the tests slow.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.pytree import array_dataclass
 
@@ -119,3 +140,156 @@ def ragged_paged_attention_reference(
         _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- Pallas kernel
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_q_block(group: int, rows: int = 32) -> int:
+    """Tokens per query tile: enough that a tile has ``rows`` (query token, head) rows, since GPU
+    matrix units want at least 16 rows per dot."""
+    return max(1, rows // _next_pow2(group))
+
+
+def _tile_plan(md: AttentionMetadata, num_tokens: int, q_block: int, block_size: int,
+               sliding_window: int | None):
+    """Per query tile: (sequence, first token, first page, end page); per token: its tile and row.
+
+    Pure jnp on the metadata (jittable, no host sync). Tiles are numbered sequence by sequence;
+    ``num_tiles = ceil(T / q_block) + S`` bounds the real count statically.
+    """
+    num_seqs = md.kv_lens.shape[0]
+    num_tiles = -(-num_tokens // q_block) + num_seqs
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+    seq_tiles = (q_lens + q_block - 1) // q_block
+    cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seq_tiles).astype(jnp.int32)])
+    tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.clip(jnp.searchsorted(cu_tiles[1:], tile_ids, side="right"), 0, num_seqs - 1)
+    tile_seq = tile_seq.astype(jnp.int32)
+    live = tile_ids < cu_tiles[-1]
+    tile_q_start = md.cu_q_lens[tile_seq] + (tile_ids - cu_tiles[tile_seq]) * q_block
+    tile_q_start = jnp.where(live, tile_q_start, 0).astype(jnp.int32)
+
+    token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_seq = token_sequence_ids(md.cu_q_lens, num_tokens)
+    token_live = token_ids < md.cu_q_lens[-1]
+    token_tile = cu_tiles[token_seq] + (token_ids - md.cu_q_lens[token_seq]) // q_block
+    token_tile = jnp.where(token_live, token_tile, num_tiles - 1).astype(jnp.int32)
+    token_row = jnp.where(token_live, token_ids - tile_q_start[token_tile], 0).astype(jnp.int32)
+
+    big = jnp.iinfo(jnp.int32).max
+    pos = md.positions.astype(jnp.int32)
+    max_pos = jax.ops.segment_max(jnp.where(token_live, pos, -1), token_tile, num_tiles)
+    min_pos = jax.ops.segment_min(jnp.where(token_live, pos, big), token_tile, num_tiles)
+    max_pos = jnp.where(live, max_pos, -1)
+    end_page = jnp.maximum(max_pos + 1 + block_size - 1, 0) // block_size  # pages [first, end)
+    end_page = jnp.minimum(end_page, md.page_table.shape[1])
+    if sliding_window is None:
+        first_page = jnp.zeros_like(end_page)
+    else:
+        first_page = jnp.maximum(jnp.where(live, min_pos, 0) - sliding_window + 1, 0) // block_size
+    first_page = jnp.minimum(first_page, end_page)
+    return (tile_seq, tile_q_start, first_page.astype(jnp.int32), end_page.astype(jnp.int32),
+            token_tile, token_row)
+
+
+def _rpa_kernel(tile_seq_ref, tile_q_start_ref, first_page_ref, end_page_ref, page_table_ref,
+                layer_ref, row_pos_ref, q_ref, k_ref, v_ref, o_ref, *, q_block: int, group: int,
+                block_size: int, sliding_window: int | None, sm_scale: float):
+    """One (query tile, kv head): rows are (token, query head of the group), token-major."""
+    tile = pl.program_id(0)
+    head = pl.program_id(1)
+    rows = q_block * group
+    seq = tile_seq_ref[tile]
+    start = tile_q_start_ref[tile] * group
+    # dots take the storage dtype and accumulate in f32 (tensor cores on GPU); softmax is f32
+    q = (q_ref[head, pl.ds(start, rows), :].astype(jnp.float32) * sm_scale).astype(q_ref.dtype)
+    q_pos = row_pos_ref[pl.ds(start, rows)]  # [rows]
+    layer = layer_ref[0]
+
+    def body(page, carry):
+        m, l, acc = carry
+        block = page_table_ref[seq, page]
+        k = k_ref[layer, block, :, head, :].astype(q.dtype)  # [block_size, D]
+        v = v_ref[layer, block, :, head, :]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)  # [rows, block_size]
+        k_pos = page * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
+        mask = k_pos <= q_pos[:, None]
+        if sliding_window is not None:
+            mask = mask & (k_pos > q_pos[:, None] - sliding_window)
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(axis=1)
+        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    head_dim = q_ref.shape[-1]
+    init = (jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(first_page_ref[tile], end_page_ref[tile], body, init)
+    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    layer: jax.Array | int,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    q_block: int | None = None,
+    interpret: bool = False,
+    compiler_params=None,
+) -> jax.Array:
+    """The Pallas kernel; same arguments and result as ``ragged_paged_attention_reference``.
+
+    ``q_block``: tokens per query tile (default ``default_q_block``). ``interpret`` runs the
+    kernel through Pallas' interpreter (any backend, CPU included; that is how the tests run it).
+    Query heads per kv head are padded to a power of two (GPU block shapes must be); the padding
+    rows compute nothing anyone reads.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_layers, num_blocks, block_size, kv_heads, _ = k_pool.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {kv_heads} kv heads")
+    group = num_heads // kv_heads
+    gp = _next_pow2(group)
+    q_block = q_block or default_q_block(group)
+    rows = q_block * gp
+    (tile_seq, tile_q_start, first_page, end_page, token_tile,
+     token_row) = _tile_plan(md, num_tokens, q_block, block_size, sliding_window)
+    num_tiles = tile_seq.shape[0]
+
+    # q -> [kv_heads, (T + q_block) * gp, D], rows token-major within each kv head, so a tile is
+    # one contiguous slice; the extra q_block tokens keep the last tile's slice in bounds.
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, q_block), (0, 0), (0, gp - group), (0, 0)))
+    qg = qg.transpose(1, 0, 2, 3).reshape(kv_heads, (num_tokens + q_block) * gp, head_dim)
+    row_pos = jnp.repeat(jnp.pad(md.positions.astype(jnp.int32), (0, q_block)), gp)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    kernel = functools.partial(_rpa_kernel, q_block=q_block, group=gp, block_size=block_size,
+                               sliding_window=sliding_window, sm_scale=float(sm_scale))
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, kv_heads),
+        in_specs=[pl.no_block_spec] * 10,
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_tiles, kv_heads, rows, head_dim), q.dtype),
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="ragged_paged_attention",
+    )(tile_seq, tile_q_start, first_page, end_page, md.page_table.astype(jnp.int32), layer_arr,
+      row_pos, qg, k_pool, v_pool)
+    # tiles -> tokens: token t is row token_row[t] of tile token_tile[t]
+    out = out.reshape(num_tiles, kv_heads, q_block, gp, head_dim)
+    out = out[token_tile, :, token_row, :group, :]  # [T, kv_heads, group, D]
+    return out.reshape(num_tokens, num_heads, head_dim)

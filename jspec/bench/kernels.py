@@ -1,0 +1,196 @@
+"""`jspec bench kernels`: the Pallas kernels against their references and the bandwidth roofline.
+
+Attention: for every (batch B, new tokens per sequence q, context length L) point, one layer of
+ragged paged attention (Qwen2.5-0.5B attention shape by default: 14 query heads, 2 kv heads, head
+dim 64, block 16) is timed for each implementation, and the bytes it must read from the KV pool
+(B x L x kv_heads x head_dim x 2 (K and V) x itemsize) divided by the time give an effective
+bandwidth, printed as a fraction of the machine's copy bandwidth measured in the same run (a
+jitted ``x + 1`` over a large array: read + write bytes / time). Decode and verification at long
+contexts should be bound by that read, which is the roofline the issue sets (>= 60%).
+
+Migration: one launch moving N blocks of every layer (K and V) against a plain device copy of
+the same bytes (``pool[:, dst] = pool[:, src]`` via XLA gather/scatter is the reference; the
+roofline is the copy bandwidth above; the goal is >= 70%).
+
+Implementations timed: ``reference`` always; ``pallas`` where the backend resolves to it (a GPU);
+``interpret`` only with ``--interpret`` (the interpreter runs the kernel as ordinary XLA ops, so
+its times say nothing about the kernel on a GPU: it is there to check the harness on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+ATTN_SHAPE = dict(num_heads=14, kv_heads=2, head_dim=64)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32], metavar="B")
+    parser.add_argument("--query-lens", nargs="+", type=int, default=[1, 4, 8], metavar="Q",
+                        help="new tokens per sequence (1 decode, 2..8 verification)")
+    parser.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192],
+                        metavar="L", help="context lengths (tokens in the KV cache)")
+    parser.add_argument("--prefill", type=int, default=512,
+                        help="also time one prefill chunk of this many tokens per context "
+                             "(0: skip)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--migrate-blocks", nargs="+", type=int, default=[64, 512],
+                        metavar="N", help="blocks per migration launch")
+    parser.add_argument("--layers", type=int, default=24, help="layers in the migrated pool")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per point (best)")
+    parser.add_argument("--interpret", action="store_true",
+                        help="also time the kernels in Pallas interpret mode (harness check)")
+    parser.add_argument("--small", action="store_true", help="tiny grid: a smoke run")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+
+
+def _best(fn, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile, warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Device copy bandwidth (bytes read + written per second) of a jitted ``x + 1``."""
+    import jax
+    import jax.numpy as jnp
+
+    n = max(1, num_bytes // 4)
+    x = jax.jit(lambda: jnp.ones((n,), jnp.float32))()
+    f = jax.jit(lambda a: a + 1)
+    return 2 * 4 * n / _best(lambda: f(x), repeats)
+
+
+def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype, seed: int = 0):
+    """Inputs for one layer: B sequences each with ``context`` tokens of which the last
+    ``q_len`` are new (their K/V already in the pool), shuffled physical pages."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.ragged_paged_attention import AttentionMetadata
+
+    rng = np.random.default_rng(seed)
+    h, kvh, d = ATTN_SHAPE["num_heads"], ATTN_SHAPE["kv_heads"], ATTN_SHAPE["head_dim"]
+    pages = -(-context // block_size)
+    num_blocks = batch * pages + 1
+    table = (1 + rng.permutation(batch * pages)).reshape(batch, pages).astype(np.int32)
+    tokens = batch * q_len
+    md = AttentionMetadata(
+        positions=jnp.asarray(np.tile(np.arange(context - q_len, context), batch), jnp.int32),
+        cu_q_lens=jnp.asarray(np.arange(batch + 1) * q_len, jnp.int32),
+        kv_lens=jnp.full((batch,), context, jnp.int32),
+        page_table=jnp.asarray(table))
+    shape = (1, num_blocks, block_size, kvh, d)
+    q = jnp.asarray(rng.normal(size=(tokens, h, d)), dtype)
+    k = jnp.asarray(rng.normal(size=shape), dtype)
+    v = jnp.asarray(rng.normal(size=shape), dtype)
+    kv_bytes = 2 * batch * context * kvh * d * jnp.dtype(dtype).itemsize
+    return q, k, v, md, kv_bytes
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    from pallas_kernels import backend as kb
+    from pallas_kernels.kv_migration import pad_pairs, validate_pairs
+
+    if args.small:
+        args.batch_sizes, args.query_lens, args.contexts = [1, 2], [1, 4], [64]
+        args.prefill, args.migrate_blocks, args.layers, args.repeats = 32, [4], 2, 1
+    for name in ("batch_sizes", "query_lens", "contexts", "migrate_blocks"):
+        if any(v < 1 for v in getattr(args, name)):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive integers")
+    if any(q > c for q in args.query_lens for c in args.contexts):
+        raise ValueError("every --query-lens value must be <= every --contexts value")
+    dtype = jnp.dtype(args.dtype)
+    resolved = kb.resolve("auto")
+    impls = {"reference": kb.attention_fn("reference")}
+    if resolved == "pallas":
+        impls["pallas"] = kb.attention_fn("pallas")
+    if args.interpret:
+        impls["interpret"] = kb.attention_fn("interpret")
+    print(f"jspec bench kernels: platform {kb.platform()}, kernel backend auto -> {resolved}, "
+          f"jax {jax.__version__}, {args.dtype}")
+    if "pallas" not in impls:
+        print("  (no GPU kernel here: only the reference"
+              + (" and the interpreted kernel (not a performance number)" if args.interpret
+                 else "") + " are timed)")
+    copy_mib = 8 if args.small else 256
+    peak = copy_bandwidth(copy_mib << 20, args.repeats)
+    print(f"device copy bandwidth: {peak / 1e9:.1f} GB/s (read + write of a {copy_mib} MiB "
+          "array)")
+
+    points = [(b, q, c) for c in args.contexts for b in args.batch_sizes for q in args.query_lens]
+    if args.prefill:
+        points += [(1, min(args.prefill, c), c) for c in args.contexts]
+    results = {"platform": kb.platform(), "backend": resolved, "dtype": args.dtype,
+               "copy_bandwidth_gbps": peak / 1e9, "attention": [], "migration": []}
+    scale = ATTN_SHAPE["head_dim"] ** -0.5
+    for b, q, c in tqdm(points, desc="attention", leave=False):
+        qa, k, v, md, kv_bytes = attention_case(b, q, c, args.block_size, dtype)
+        row = {"batch": b, "q_len": q, "context": c, "kv_bytes": kv_bytes}
+        for name, fn in impls.items():
+            f = jax.jit(lambda qa, k, v, md, fn=fn: fn(qa, k, v, 0, md, sm_scale=scale))
+            seconds = _best(lambda: f(qa, k, v, md), args.repeats)
+            row[name] = {"ms": seconds * 1e3, "gbps": kv_bytes / seconds / 1e9,
+                         "roofline": kv_bytes / seconds / peak}
+        results["attention"].append(row)
+        del qa, k, v
+
+    names = list(impls)
+    print("\nattention, one layer (ms | GB/s of KV read | fraction of copy bandwidth)")
+    print(f"  {'B':>4} {'q':>4} {'ctx':>6}" + "".join(f" {n:>28}" for n in names))
+    for row in results["attention"]:
+        cells = "".join(f" {row[n]['ms']:>9.3f} |{row[n]['gbps']:>7.1f} |{row[n]['roofline']:>6.0%}"
+                        for n in names)
+        print(f"  {row['batch']:>4} {row['q_len']:>4} {row['context']:>6}{cells}")
+
+    # migration
+    mig_impls = {"reference": kb.migration_fn("reference")}
+    if resolved == "pallas":
+        mig_impls["pallas"] = kb.migration_fn("pallas")
+    if args.interpret:
+        mig_impls["interpret"] = kb.migration_fn("interpret")
+    kvh, d = ATTN_SHAPE["kv_heads"], ATTN_SHAPE["head_dim"]
+    for n in args.migrate_blocks:
+        num_blocks = 2 * n + 1
+        shape = (args.layers, num_blocks, args.block_size, kvh, d)
+        pairs = validate_pairs([(n + 1 + i, 1 + i) for i in range(n)], num_blocks)
+        pairs = jnp.asarray(pad_pairs(pairs, n))
+        moved = 2 * 2 * args.layers * n * args.block_size * kvh * d * dtype.itemsize  # r+w, K+V
+        row = {"blocks": n, "bytes_moved": moved}
+        for name, fn in mig_impls.items():
+            state = {"k": jnp.zeros(shape, dtype), "v": jnp.ones(shape, dtype)}
+
+            def call(fn=fn, state=state):
+                state["k"], state["v"] = fn(state["k"], state["v"], pairs)
+                return state["k"]
+
+            seconds = _best(call, args.repeats)
+            row[name] = {"ms": seconds * 1e3, "gbps": moved / seconds / 1e9,
+                         "roofline": moved / seconds / peak}
+        results["migration"].append(row)
+    print(f"\nKV migration, {args.layers} layers, K and V (ms | GB/s read+write | fraction of "
+          "copy bandwidth)")
+    names = list(mig_impls)
+    print(f"  {'blocks':>6}" + "".join(f" {n:>28}" for n in names))
+    for row in results["migration"]:
+        cells = "".join(f" {row[n]['ms']:>9.3f} |{row[n]['gbps']:>7.1f} |{row[n]['roofline']:>6.0%}"
+                        for n in names)
+        print(f"  {row['blocks']:>6}{cells}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

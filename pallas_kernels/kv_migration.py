@@ -1,0 +1,133 @@
+"""KV block migration: copy (source block -> destination block) pairs in a paged KV pool, all
+layers, K and V, in one launch and in place.
+
+When the pool contracts (Nightjar §5.3: the draft is evicted or the pool shrinks under load),
+live blocks above the new end are moved into free blocks below it and the page tables are
+rewritten. That is a batch of block copies, done here as one kernel whose outputs alias the
+pools (``input_output_aliases``), so nothing else in the pool is read or written.
+
+Why no ordering is needed: the destinations are *free* blocks, so no pair's destination is any
+pair's source, and destinations are distinct. Then every source is read before or after any
+write without difference (no write touches a source), and no two writes touch the same block, so
+the copies commute and the grid steps may run in any order or all at once. ``validate_pairs``
+enforces exactly that precondition on the host and raises ``ValueError`` naming the offending
+block when a caller passes a destination that is also a source (a chain like 5->7, 7->9 would give
+a result that depends on execution order) or the same destination twice. Pairs whose source
+equals the destination are allowed only as the padding pair (0, 0): block 0 is the reserved null
+block, which no sequence owns, so copying it onto itself changes nothing that matters.
+
+Pool layout (as in ``models.transformer.KVCache``): [layers, num_blocks, block_size, kv_heads,
+head_dim]. The kernel views one block of one layer as a flat row and copies it in chunks of a
+power-of-two length (GPU blocks must be), one grid step per pair.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+
+def validate_pairs(pairs: Sequence[tuple[int, int]] | np.ndarray, num_blocks: int) -> np.ndarray:
+    """Host-side check of a migration plan; returns it as an int32 [n, 2] array."""
+    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
+        bad = int(arr[(arr < 0) | (arr >= num_blocks)][0])
+        raise ValueError(f"block {bad} is outside the pool (0..{num_blocks - 1})")
+    real = arr[(arr[:, 0] != 0) | (arr[:, 1] != 0)]
+    if np.any(real[:, 0] == real[:, 1]):
+        b = int(real[real[:, 0] == real[:, 1]][0, 0])
+        raise ValueError(f"pair ({b}, {b}) copies a block onto itself")
+    if np.any(real == 0):
+        raise ValueError("block 0 is the reserved null block; it is neither moved nor overwritten")
+    dsts, counts = np.unique(real[:, 1], return_counts=True)
+    if np.any(counts > 1):
+        raise ValueError(f"destination block {int(dsts[counts > 1][0])} appears more than once")
+    overlap = np.intersect1d(real[:, 0], real[:, 1])
+    if overlap.size:
+        raise ValueError(f"block {int(overlap[0])} is both a source and a destination; "
+                         "destinations must be free blocks (the copies must not depend on order)")
+    return arr.astype(np.int32)
+
+
+def pad_pairs(pairs: np.ndarray, bucket: int) -> np.ndarray:
+    """Pad an [n, 2] plan with null (0, 0) pairs to ``bucket`` rows (one compile per bucket)."""
+    if len(pairs) > bucket:
+        raise ValueError(f"{len(pairs)} pairs exceed the bucket of {bucket}")
+    return np.concatenate([pairs, np.zeros((bucket - len(pairs), 2), np.int32)]).astype(np.int32)
+
+
+def compaction_plan(owned_blocks: Sequence[int], new_num_blocks: int) -> list[tuple[int, int]]:
+    """Pairs that move every owned block at or above ``new_num_blocks`` into a free block below
+    it (lowest free first). Raises if the owned blocks do not fit."""
+    owned = sorted(set(int(b) for b in owned_blocks))
+    if 0 in owned:
+        raise ValueError("block 0 is the reserved null block and cannot be owned")
+    if len(owned) > new_num_blocks - 1:
+        raise ValueError(f"{len(owned)} owned blocks do not fit in a pool of {new_num_blocks} "
+                         f"blocks ({new_num_blocks - 1} usable)")
+    owned_set = set(owned)
+    free_low = (b for b in range(1, new_num_blocks) if b not in owned_set)
+    return [(b, next(free_low)) for b in owned if b >= new_num_blocks]
+
+
+def migrate_blocks_reference(k_pool: jax.Array, v_pool: jax.Array, pairs: jax.Array
+                             ) -> tuple[jax.Array, jax.Array]:
+    """Pure-jnp reference: pools with ``pool[:, dst] = pool[:, src]`` for every (src, dst)."""
+    src, dst = pairs[:, 0], pairs[:, 1]
+    return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
+
+
+def _chunk(row: int, limit: int = 4096) -> int:
+    """Largest power of two <= limit dividing ``row``."""
+    c = 1
+    while row % (c * 2) == 0 and c * 2 <= limit:
+        c *= 2
+    return c
+
+
+def _migrate_kernel(pairs_ref, k_in, v_in, k_out, v_out, *, num_layers: int, row: int,
+                    chunk: int):
+    del k_in, v_in  # aliased with k_out / v_out: same buffers
+    i = pl.program_id(0)
+    src = pairs_ref[i, 0]
+    dst = pairs_ref[i, 1]
+
+    def copy(step, carry):
+        layer = step // (row // chunk)
+        off = (step % (row // chunk)) * chunk
+        k_out[layer, dst, pl.ds(off, chunk)] = k_out[layer, src, pl.ds(off, chunk)]
+        v_out[layer, dst, pl.ds(off, chunk)] = v_out[layer, src, pl.ds(off, chunk)]
+        return carry
+
+    jax.lax.fori_loop(0, num_layers * (row // chunk), copy, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
+def migrate_blocks(k_pool: jax.Array, v_pool: jax.Array, pairs: jax.Array, *,
+                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The kernel: copy every (src, dst) pair of ``pairs`` [n, 2] int32, all layers, K and V, in
+    one launch, in place (the pools are donated and aliased to the outputs). Validate the plan
+    with ``validate_pairs`` first; the kernel trusts it."""
+    num_layers, num_blocks = k_pool.shape[:2]
+    row = int(np.prod(k_pool.shape[2:]))
+    chunk = _chunk(row)
+    k_flat = k_pool.reshape(num_layers, num_blocks, row)
+    v_flat = v_pool.reshape(num_layers, num_blocks, row)
+    kernel = functools.partial(_migrate_kernel, num_layers=num_layers, row=row, chunk=chunk)
+    k_new, v_new = pl.pallas_call(
+        kernel,
+        grid=(pairs.shape[0],),
+        in_specs=[pl.no_block_spec] * 3,
+        out_specs=[pl.no_block_spec] * 2,
+        out_shape=[jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype),
+                   jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)],
+        input_output_aliases={1: 0, 2: 1},
+        interpret=interpret,
+        name="kv_migration",
+    )(pairs.astype(jnp.int32), k_flat, v_flat)
+    return k_new.reshape(k_pool.shape), v_new.reshape(v_pool.shape)

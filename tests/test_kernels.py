@@ -1,0 +1,298 @@
+"""Pallas kernels (CPU interpret mode) against their pure-jnp references, and the backend switch.
+
+Shapes are fixed per case (T tokens, S sequence rows, P pages, pool size) so each case compiles
+the kernel and the reference once; hypothesis varies only array contents: how many tokens each
+sequence brings (1..16, or a long prefill chunk), context lengths (often exactly on or one past a
+page boundary), which physical blocks the pages map to, padding rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import backend
+from pallas_kernels.kv_migration import (
+    compaction_plan,
+    migrate_blocks,
+    migrate_blocks_reference,
+    pad_pairs,
+    validate_pairs,
+)
+from pallas_kernels.ragged_paged_attention import (
+    AttentionMetadata,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+T, S = 48, 5  # flat tokens, sequence rows
+LAYERS = 2
+
+# name -> (kv heads, group, head_dim, block size, pages per sequence, dtype, sliding window)
+CASES = {
+    "gqa1-d64-bs16-f32": (2, 1, 64, 16, 6, jnp.float32, None),
+    "gqa2-d128-bs16-f32": (2, 2, 128, 16, 4, jnp.float32, None),
+    "gqa8-d64-bs8-f32": (1, 8, 64, 8, 10, jnp.float32, None),
+    "gqa3-d64-bs4-window-f32": (2, 3, 64, 4, 20, jnp.float32, 11),
+    "gqa2-d64-bs16-bf16": (2, 2, 64, 16, 6, jnp.bfloat16, None),
+    "gqa8-d128-bs16-bf16": (1, 8, 128, 16, 4, jnp.bfloat16, None),
+}
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+@functools.lru_cache(maxsize=None)
+def _fns(name):
+    kvh, group, head_dim, block_size, pages, dtype, window = CASES[name]
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window)
+    kernel = jax.jit(lambda q, k, v, layer, md: ragged_paged_attention(
+        q, k, v, layer, md, interpret=True, **kw))
+    ref = jax.jit(lambda q, k, v, layer, md: ragged_paged_attention_reference(
+        q, k, v, layer, md, **kw))
+    return kernel, ref
+
+
+def _context_len(draw, block_size, max_len, q_len):
+    kind = draw(st.sampled_from(["on", "past", "any"]))
+    pages = draw(st.integers(1, max_len // block_size))
+    if kind == "on":
+        n = pages * block_size
+    elif kind == "past":
+        n = min(pages * block_size + 1, max_len)
+    else:
+        n = draw(st.integers(1, max_len))
+    return max(n, q_len)
+
+
+@st.composite
+def ragged_batches(draw, name):
+    kvh, group, head_dim, block_size, pages, dtype, window = CASES[name]
+    max_len = pages * block_size
+    live = draw(st.integers(1, S))
+    q_lens, budget = [], T
+    for _ in range(live):
+        if budget == 0:
+            break
+        long_chunk = draw(st.booleans()) and budget > 16
+        q = draw(st.integers(17, min(budget, 40)) if long_chunk
+                 else st.integers(1, min(16, budget)))
+        q_lens.append(q)
+        budget -= q
+    kv_lens = [_context_len(draw, block_size, max_len, q) for q in q_lens]
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    return q_lens, kv_lens, seed
+
+
+def _make_inputs(name, q_lens, kv_lens, seed):
+    kvh, group, head_dim, block_size, pages, dtype, window = CASES[name]
+    rng = np.random.default_rng(seed)
+    num_blocks = S * pages + 3
+    cu = np.zeros(S + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    positions = np.zeros(T, np.int32)
+    kv = np.zeros(S, np.int32)
+    table = np.zeros((S, pages), np.int32)
+    free = rng.permutation(np.arange(1, num_blocks))  # block 0 is the null block
+    used = 0
+    for i, (q, n) in enumerate(zip(q_lens, kv_lens)):
+        positions[cu[i]:cu[i + 1]] = np.arange(n - q, n)
+        kv[i] = n
+        need = -(-n // block_size)
+        table[i, :need] = free[used:used + need]
+        used += need
+    md = AttentionMetadata(jnp.asarray(positions), jnp.asarray(cu), jnp.asarray(kv),
+                           jnp.asarray(table))
+    shape = (LAYERS, num_blocks, block_size, kvh, head_dim)
+    q = jnp.asarray(rng.normal(size=(T, kvh * group, head_dim)), dtype)
+    k = jnp.asarray(rng.normal(size=shape), dtype)
+    v = jnp.asarray(rng.normal(size=shape), dtype)
+    return q, k, v, md, int(cu[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_kernel_matches_reference(name):
+    kernel, ref = _fns(name)
+    dtype = CASES[name][5]
+
+    @settings(max_examples=10, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(ragged_batches(name))
+    def check(batch):
+        q, k, v, md, live = _make_inputs(name, *batch)
+        layer = jnp.asarray(1, jnp.int32)
+        out = np.asarray(kernel(q, k, v, layer, md).astype(jnp.float32))[:live]
+        expect = np.asarray(ref(q, k, v, layer, md).astype(jnp.float32))[:live]
+        np.testing.assert_allclose(out, expect, atol=TOL[dtype], rtol=0)
+
+    check()
+
+
+def test_attention_kernel_decode_verify_and_prefill_in_one_launch():
+    """A hand-made mixed batch: a decode token, a 5-token verification window, a 37-token
+    prefill chunk past a page boundary, and a sequence whose context is exactly 2 pages."""
+    name = "gqa2-d128-bs16-f32"
+    kernel, ref = _fns(name)
+    q, k, v, md, live = _make_inputs(name, [1, 5, 37, 3], [40, 16, 49, 32], seed=3)
+    out = np.asarray(kernel(q, k, v, 0, md))[:live]
+    np.testing.assert_allclose(out, np.asarray(ref(q, k, v, 0, md))[:live], atol=1e-5, rtol=0)
+
+
+def test_attention_kernel_q_block_is_a_parameter():
+    name = "gqa1-d64-bs16-f32"
+    kvh, group, head_dim, *_ = CASES[name]
+    q, k, v, md, live = _make_inputs(name, [3, 20, 1], [3, 70, 64], seed=5)
+    ref = ragged_paged_attention_reference(q, k, v, 0, md, sm_scale=0.125)
+    for q_block in (1, 7):
+        out = ragged_paged_attention(q, k, v, 0, md, sm_scale=0.125, q_block=q_block,
+                                     interpret=True)
+        np.testing.assert_allclose(np.asarray(out)[:live], np.asarray(ref)[:live], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- migration
+MIG_SHAPE = (3, 24, 4, 2, 64)  # layers, blocks, block size, kv heads, head_dim
+
+
+@st.composite
+def migration_plans(draw):
+    n = draw(st.integers(0, 8))
+    blocks = draw(st.permutations(list(range(1, MIG_SHAPE[1]))))
+    return [(blocks[i], blocks[n + i]) for i in range(n)]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(migration_plans(), st.integers(0, 2 ** 31 - 1))
+def test_migration_kernel_matches_reference_and_leaves_the_rest_untouched(plan, seed):
+    rng = np.random.default_rng(seed)
+    k = rng.normal(size=MIG_SHAPE).astype(np.float32)
+    v = rng.normal(size=MIG_SHAPE).astype(np.float32)
+    pairs = jnp.asarray(pad_pairs(validate_pairs(plan, MIG_SHAPE[1]), 8))
+    rk, rv = migrate_blocks_reference(jnp.asarray(k), jnp.asarray(v), pairs)
+    ok, ov = migrate_blocks(jnp.asarray(k), jnp.asarray(v), pairs, interpret=True)
+    ok, ov = np.asarray(ok), np.asarray(ov)
+    assert np.array_equal(ok, np.asarray(rk)) and np.array_equal(ov, np.asarray(rv))
+    moved = {d for _, d in plan}
+    for b in range(MIG_SHAPE[1]):
+        if b in moved:
+            src = next(s for s, d in plan if d == b)
+            assert np.array_equal(ok[:, b], k[:, src]) and np.array_equal(ov[:, b], v[:, src])
+        else:  # bit for bit
+            assert ok[:, b].tobytes() == k[:, b].tobytes()
+            assert ov[:, b].tobytes() == v[:, b].tobytes()
+
+
+def test_migration_in_bf16_is_exact():
+    k = jnp.asarray(np.random.default_rng(1).normal(size=MIG_SHAPE), jnp.bfloat16)
+    v = k + 1
+    pairs = jnp.asarray(pad_pairs(validate_pairs([(20, 3), (5, 9)], MIG_SHAPE[1]), 4))
+    rk, rv = migrate_blocks_reference(k, v, pairs)
+    ok, ov = migrate_blocks(k, v, pairs, interpret=True)  # donates k and v
+    assert np.array_equal(np.asarray(ok), np.asarray(rk))
+    assert np.array_equal(np.asarray(ov), np.asarray(rv))
+
+
+@pytest.mark.parametrize("plan, message", [
+    ([(3, 5), (5, 7)], "both a source and a destination"),
+    ([(3, 5), (4, 5)], "destination block 5 appears more than once"),
+    ([(3, 99)], "block 99 is outside the pool"),
+    ([(0, 4)], "null block"),
+    ([(4, 0)], "null block"),
+    ([(6, 6)], "onto itself"),
+])
+def test_migration_rejects_overlapping_or_bad_plans(plan, message):
+    with pytest.raises(ValueError, match=message):
+        validate_pairs(plan, 24)
+
+
+def test_compaction_plan_moves_blocks_above_the_new_end_into_free_low_blocks():
+    plan = compaction_plan([1, 3, 9, 12, 15], new_num_blocks=8)
+    assert plan == [(9, 2), (12, 4), (15, 5)]
+    validate_pairs(plan, 16)
+    assert compaction_plan([1, 2], 8) == []
+    with pytest.raises(ValueError, match="do not fit"):
+        compaction_plan(range(1, 10), 8)
+
+
+# ----------------------------------------------------------------------------- backend switch
+def test_backend_resolution_on_cpu(monkeypatch):
+    monkeypatch.delenv("JSPEC_KERNEL_BACKEND", raising=False)
+    assert backend.platform() == "cpu"
+    assert backend.resolve("auto") == "reference"
+    assert backend.resolve("interpret") == "interpret"
+    assert backend.resolve("reference") == "reference"
+    with pytest.raises(ValueError, match="needs a GPU.*'interpret'"):
+        backend.resolve("pallas")
+    with pytest.raises(ValueError, match="unknown; choose from"):
+        backend.resolve("triton")
+    monkeypatch.setenv("JSPEC_KERNEL_BACKEND", "interpret")
+    assert backend.resolve("auto") == "interpret"
+    assert backend.resolve("reference") == "reference"  # an explicit config wins
+    monkeypatch.setenv("JSPEC_KERNEL_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="'bogus' is unknown"):
+        backend.resolve("auto")
+
+
+def test_backend_functions():
+    assert backend.attention_fn("reference") is ragged_paged_attention_reference
+    assert backend.attention_fn("interpret").keywords == {"interpret": True}
+    with pytest.raises(ValueError, match="resolve"):
+        backend.attention_fn("auto")
+    k = jnp.arange(np.prod(MIG_SHAPE), dtype=jnp.float32).reshape(MIG_SHAPE)
+    pairs = jnp.asarray(pad_pairs(validate_pairs([(7, 2)], MIG_SHAPE[1]), 2))
+    for name in ("reference", "interpret"):
+        nk, nv = backend.migration_fn(name)(k + 0, k + 1, pairs)
+        assert np.array_equal(np.asarray(nk[:, 2]), np.asarray(k[:, 7]))
+        assert np.array_equal(np.asarray(nv[:, 2]), np.asarray(k[:, 7] + 1))
+
+
+# ----------------------------------------------------------------------------- in the engine
+def test_engine_on_the_interpreted_kernel_is_lossless(engine_models):
+    """The whole engine (prefill chunks, draft loop, catch-up, verification) with every attention
+    call going through the Pallas kernel in interpret mode: greedy output equals the target-only
+    run on the reference attention."""
+    from conftest import make_engine, run_to_completion
+    from jspec.sampling_params import SamplingParams
+    from policies.static import StaticPolicy
+
+    target, draft, _ = engine_models
+    prompts = [list(range(5, 45)), [7], list(range(100, 117))]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expect = run_to_completion(make_engine(target, None), prompts, greedy)
+    engine = make_engine(target, draft, policy=StaticPolicy(7, gamma=3),
+                         kernel_backend="interpret", warmup=False)
+    assert engine.runner.kernel_backend == "interpret"
+    got = run_to_completion(engine, prompts, greedy)
+    for i in range(len(prompts)):
+        assert got[str(i)].token_ids == expect[str(i)].token_ids
+    assert engine.metrics.spec_decode_num_draft_tokens > 0
+
+
+def test_runner_migrates_target_and_draft_pools(engine_models):
+    from conftest import make_engine
+
+    target, draft, _ = engine_models
+    engine = make_engine(target, draft, warmup=False, num_kv_blocks=24)
+    runner = engine.runner
+    rng = np.random.default_rng(0)
+    for name in ("target_kv", "draft_kv"):
+        kv = getattr(runner, name)
+        setattr(runner, name, type(kv)(jnp.asarray(rng.normal(size=kv.k.shape), kv.k.dtype),
+                                       jnp.asarray(rng.normal(size=kv.v.shape), kv.v.dtype)))
+    before = {n: (np.asarray(getattr(runner, n).k), np.asarray(getattr(runner, n).v))
+              for n in ("target_kv", "draft_kv")}
+    assert runner.migrate_blocks([(20, 2), (23, 5), (17, 9)]) == 3
+    for n, (k, v) in before.items():
+        ek, ev = k.copy(), v.copy()
+        for s, d in [(20, 2), (23, 5), (17, 9)]:
+            ek[:, d], ev[:, d] = k[:, s], v[:, s]
+        assert np.array_equal(np.asarray(getattr(runner, n).k), ek)
+        assert np.array_equal(np.asarray(getattr(runner, n).v), ev)
+    with pytest.raises(ValueError, match="both a source and a destination"):
+        runner.migrate_blocks([(20, 2), (2, 3)])
+    assert runner.migrate_blocks([]) == 0
