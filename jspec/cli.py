@@ -12,6 +12,7 @@ COMMANDS = {
     "generate": ("jspec.cli_generate", "generate text with speculative decoding"),
     "train": ("jspec.cli_train", "train the target model (and tokenizer) on the stdlib corpus"),
     "distill": ("jspec.cli_train", "distil a draft model from a trained target"),
+    "profile": ("jspec.cli_profile", "measure a model pair's step times for cost-aware policies"),
 }
 
 # `jspec bench NAME`: each module defines `add_arguments(parser)` and `run(args) -> int`.

@@ -33,11 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     spec = parser.add_argument_group("speculation")
     spec.add_argument("--policy", default="static",
-                      help="speculation policy: static (fixed γ) or off (default: %(default)s)")
+                      help="speculation policy: static (fixed γ), off, nightjar, dsde, adaspec, "
+                           "dsd, ucb, adaedl, heuristic (default: %(default)s)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="N",
                       help="largest number of draft tokens per step, Γmax (default: %(default)s)")
     spec.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
-                      help="policy option, repeatable (e.g. gamma=2 for static)")
+                      help="policy option, repeatable (e.g. gamma=2 for static, "
+                           "profile=PROFILE.json for adaspec/dsd)")
+    spec.add_argument("--policy-state", metavar="FILE",
+                      help="load the policy's learned state from FILE if it exists, and save "
+                           "it there at the end")
 
     prompts = parser.add_argument_group("prompts")
     source = prompts.add_mutually_exclusive_group()
@@ -196,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
               **engine_kwargs)
     for prompt in prompts:  # lengths against the context, before the warm-up
         llm.engine.validate_request(prompt, sampling_params)
+    if args.policy_state and os.path.exists(args.policy_state):
+        llm.engine.load_policy_state(args.policy_state)
     if not args.no_warmup:
         _warmup(llm, progress)
 
@@ -207,6 +214,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"### prompt {i} ({out.finish_reason}, {len(out.token_ids)} tokens): {prompt}")
         print(out.text)
     print(summary_line(outputs, seconds, llm.engine.metrics.num_steps - steps_before))
+    m = llm.engine.metrics
+    if m.policy_calls:
+        per_step = m.policy_time / m.policy_calls
+        print(f"policy {llm.engine.policy.name}: {per_step * 1e6:.0f} µs of decisions per step "
+              f"({m.policy_time / max(m.step_time, 1e-9):.2%} of step time)", file=sys.stderr)
+    if args.policy_state:
+        llm.engine.save_policy_state(args.policy_state)
     sys.stdout.flush()
     return 0
 

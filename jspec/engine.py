@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
 import time
 from typing import Iterable
 
@@ -26,6 +28,7 @@ from jspec.scheduler import Scheduler, SchedulerConfig
 from jspec.sequence import Sequence, SequenceStatus
 from models.transformer import KVCache
 from policies import BatchView, DraftStats, Policy, StepOutcome, make_policy
+from policies.profile import StepProfile, model_signature
 from policies.static import OffPolicy
 
 
@@ -61,6 +64,9 @@ class LLMEngine:
         if draft is None and not isinstance(self.policy, OffPolicy):
             self.policy = OffPolicy(0)
         self.max_gamma = config.num_speculative_tokens
+        profile = getattr(self.policy, "profile", None)
+        if isinstance(profile, StepProfile) and draft is not None:
+            profile.check_models(model_signature(target.cfg), model_signature(draft.cfg))
         if self.policy.max_gamma > self.max_gamma:
             raise ValueError(f"policy max_gamma={self.policy.max_gamma} exceeds "
                              f"num_speculative_tokens={self.max_gamma}")
@@ -98,6 +104,32 @@ class LLMEngine:
         self.stream_outputs = True
         if config.warmup:
             self.warmup()
+
+    # ------------------------------------------------------------------ policy state
+    def save_policy_state(self, path: str) -> None:
+        """Write the policy's learned state (bandit statistics, EMAs) as JSON, so a restarted
+        engine can continue from it (``load_policy_state``)."""
+        state = {"policy": self.policy.name, "max_gamma": self.policy.max_gamma,
+                 "state": self.policy.state_dict()}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, path)  # never leave a half-written file behind
+
+    def load_policy_state(self, path: str) -> None:
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read policy state {path!r}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"policy state {path!r} is not JSON ({e.msg})") from None
+        if not isinstance(saved, dict) or "state" not in saved:
+            raise ValueError(f"{path!r} is not a jspec policy state file")
+        if saved.get("policy") != self.policy.name:
+            raise ValueError(f"policy state {path!r} belongs to policy {saved.get('policy')!r}, "
+                             f"the engine runs {self.policy.name!r}")
+        self.policy.load_state_dict(saved["state"])
 
     # ------------------------------------------------------------------ requests
     def warmup(self, progress=None) -> int:
@@ -191,7 +223,10 @@ class LLMEngine:
         view = self._batch_view(rows, decode_rows, num_prefill_tokens)
         plan = None
         if decode_rows and self.draft is not None:
+            t_policy = time.perf_counter()
             plan = self.policy.plan(view)
+            self.metrics.policy_time += time.perf_counter() - t_policy
+            self.metrics.policy_calls += 1
             if len(plan.gammas) != len(decode_rows):
                 raise RuntimeError(f"policy {self.policy.name!r} planned {len(plan.gammas)} "
                                    f"draft lengths for {len(decode_rows)} decoding sequences")
@@ -250,8 +285,10 @@ class LLMEngine:
                                     draft_time, verify_time, catch_up_time, catch_up_tokens,
                                     num_prefill_tokens, gamma)
             m.record_spec(outcome.gammas, outcome.num_verified, outcome.num_accepted,
-                          outcome.num_emitted)
+                          outcome.num_emitted, outcome.batch_size)
+            t_policy = time.perf_counter()
             self.policy.observe(outcome)
+            m.policy_time += time.perf_counter() - t_policy
             self.last_outcome = outcome
         return outputs
 
@@ -312,7 +349,9 @@ class LLMEngine:
         drafted, conf, ent = jax.device_get((draft.num_drafted, draft.confidence, draft.entropy))
         stats = DraftStats(num_drafted=drafted[idx], confidence=conf[idx],
                            draft_entropy=ent[idx])
+        t_policy = time.perf_counter()
         lens = self.policy.select(view, stats)
+        self.metrics.policy_time += time.perf_counter() - t_policy
         if lens is None:
             return drafted
         lens = np.minimum(np.maximum(np.asarray(lens, np.int64), 0), drafted[idx])

@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from policies.base import batch_bucket
+
 
 @dataclasses.dataclass
 class EngineMetrics:
@@ -28,14 +30,24 @@ class EngineMetrics:
     catch_up_time: float = 0.0
     catch_up_tokens: int = 0
     host_time: float = 0.0  # step time outside device work (scheduling, batching, commit)
+    policy_time: float = 0.0  # inside the policy's plan / select / observe (part of host_time)
+    policy_calls: int = 0  # steps in which the policy was consulted
 
     def __post_init__(self):
         self.accepted_per_position = np.zeros(self.max_gamma, np.int64)
         self.gamma_histogram = np.zeros(self.max_gamma + 1, np.int64)
+        # batch-size bucket (policies.base.batch_bucket) -> γ histogram of the steps at that load
+        self.gamma_histogram_by_batch: dict[int, np.ndarray] = {}
 
     def record_spec(self, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
-                    num_emitted: np.ndarray) -> None:
-        np.add.at(self.gamma_histogram, np.minimum(gammas, self.max_gamma), 1)
+                    num_emitted: np.ndarray, batch_size: int = 0) -> None:
+        clipped = np.minimum(gammas, self.max_gamma)
+        np.add.at(self.gamma_histogram, clipped, 1)
+        hist = self.gamma_histogram_by_batch.get(batch_bucket(batch_size))
+        if hist is None:
+            hist = np.zeros(self.max_gamma + 1, np.int64)
+            self.gamma_histogram_by_batch[batch_bucket(batch_size)] = hist
+        np.add.at(hist, clipped, 1)
         drafting = num_verified > 0
         self.spec_decode_num_drafts += int(drafting.sum())
         self.spec_decode_num_draft_tokens += int(num_verified.sum())
@@ -58,6 +70,10 @@ class EngineMetrics:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["accepted_per_position"] = self.accepted_per_position.tolist()
         out["gamma_histogram"] = self.gamma_histogram.tolist()
+        out["gamma_histogram_by_batch"] = {str(b): h.tolist() for b, h in
+                                           sorted(self.gamma_histogram_by_batch.items())}
+        out["policy_time_per_step"] = self.policy_time / self.policy_calls if self.policy_calls \
+            else 0.0
         out["acceptance_rate"] = self.acceptance_rate
         out["mean_accepted_length"] = self.mean_accepted_length
         return out

@@ -20,14 +20,15 @@ Recipe
       as never stopping.
     * Export: ``export_hf`` writes an HF checkpoint through ``models.loader.save_checkpoint``.
 
-Proposed default pair (``config_for("default", ...)``; llama architecture, untied head,
+Default pair (``config_for("default", ...)``; llama architecture, tied input/output embeddings,
 vocabulary 4096, RoPE theta 10000, max positions 1024)
-    target: 6 layers, hidden 384, 6 heads x 64 (2 kv heads), ffn 1024 -> 12.6M parameters
-            (9.4M in the layers, 1.6M embedding, 1.6M head).
-    draft:  2 layers, hidden 192, 3 heads x 64 (1 kv head), ffn 512 -> 2.4M parameters.
+    target: 6 layers, hidden 384, 6 heads x 64 (2 kv heads), ffn 960 -> 10.57M parameters
+            (9.0M in the layers, 1.6M embedding shared with the head).
+    draft:  2 layers, hidden 192, 3 heads x 64 (1 kv head), ffn 512 -> 1.57M parameters.
+    Both tied so the shipped pair fits 25 MB in bf16 (12.1M parameters = 24.3 MB).
     Forward FLOPs per token (matmuls incl. the output head, plus attention at context 256, the
-    mean context of a 512-token window; ``forward_flops_per_token``): target 24.4 MFLOP, draft
-    3.5 MFLOP, ratio 0.145 (<= 1/6); 0.143 without attention. ``python -m models.train`` prints
+    mean context of a 512-token window; ``forward_flops_per_token``): target 23.5 MFLOP, draft
+    3.5 MFLOP, ratio 0.151 (<= 1/6); 0.149 without attention. ``python -m models.train`` prints
     these numbers.
 """
 
@@ -50,7 +51,7 @@ from models.tiny import BOS_ID, DRAFT_OVERRIDES, EOS_ID, IM_END_ID, tiny_config
 
 # ----------------------------------------------------------------------------- model configs
 DEFAULT_TARGET = dict(num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, head_dim=64,
-                      intermediate_size=1024)
+                      intermediate_size=960)
 DEFAULT_DRAFT = dict(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
                      intermediate_size=512)
 CONFIG_NAMES = ("tiny", "default")
@@ -67,7 +68,7 @@ def config_for(name: str, role: str = "target", vocab_size: int = 4096) -> Model
         shape = DEFAULT_TARGET if role == "target" else DEFAULT_DRAFT
         return ModelConfig(model_type="llama", vocab_size=vocab_size, rms_norm_eps=1e-6,
                            rope_theta=10000.0, max_position_embeddings=1024,
-                           tie_word_embeddings=False, bos_token_id=BOS_ID,
+                           tie_word_embeddings=True, bos_token_id=BOS_ID,
                            eos_token_ids=(EOS_ID, IM_END_ID), **shape)
     raise ValueError(f"unknown config {name!r}; choose from {', '.join(CONFIG_NAMES)}")
 

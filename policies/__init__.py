@@ -5,11 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
+from policies.adaedl import AdaEDLPolicy
+from policies.adaspec import AdaSpecPolicy
+from policies.dsd import DSDPolicy
+from policies.dsde import DSDEPolicy
+from policies.heuristic import HeuristicPolicy
+from policies.nightjar import NightjarPolicy
 from policies.static import OffPolicy, StaticPolicy
+from policies.ucb import UCBPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    StaticPolicy.name: StaticPolicy,
-    OffPolicy.name: OffPolicy,
+    cls.name: cls for cls in (StaticPolicy, OffPolicy, NightjarPolicy, DSDEPolicy,
+                              AdaSpecPolicy, DSDPolicy, UCBPolicy, AdaEDLPolicy, HeuristicPolicy)
 }
 
 

@@ -16,6 +16,14 @@ from typing import Any
 import numpy as np
 
 
+def batch_bucket(batch_size: int) -> int:
+    """The batch-size context shared by the policies and the metrics: the smallest power of two
+    >= batch_size (1, 2, 4, 8, ...). Step cost changes smoothly with B, so neighbouring sizes
+    share what they learn, and a bucket set this coarse fills up quickly (Nightjar keeps one
+    bandit per bucket)."""
+    return 1 << max(0, int(batch_size) - 1).bit_length()
+
+
 @dataclasses.dataclass
 class BatchView:
     """What a policy sees before a step. Arrays are per speculating-eligible sequence, in the
@@ -123,6 +131,18 @@ class Policy(abc.ABC):
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+    def check_state(self, state: Any) -> None:
+        """The checks every ``load_state_dict`` starts with: a dict, saved by this policy (when
+        it says), learned with the same Γmax (the arms must match)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.name} state must be a dict, got {type(state).__name__}")
+        if state.get("policy", self.name) != self.name:
+            raise ValueError(f"state belongs to policy {state.get('policy')!r}, not {self.name!r}")
+        if state.get("max_gamma") != self.max_gamma:
+            raise ValueError(f"{self.name} state was learned with max_gamma="
+                             f"{state.get('max_gamma')!r}, this policy has max_gamma="
+                             f"{self.max_gamma}; its arms do not match")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:

@@ -105,7 +105,9 @@ def test_target_without_draft_is_plain_decoding(capsys, tiny_pair):
     (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
     (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
-    (["--policy", "nope"], "unknown policy 'nope'; known policies: off, static"),
+    (["--policy", "nope"], "unknown policy 'nope'; known policies: adaedl, adaspec, dsd, dsde, "
+                             "heuristic, nightjar, off, static, ucb"),
+    (["--policy", "adaspec"], "needs a step-time profile"),
     (["--policy-option", "gamma"], "--policy-option expects KEY=VALUE, got 'gamma'"),
     (["--policy-option", "gamma=99"], "gamma must be in [0, max_gamma=7], got 99"),
     (["--prompt", ""], "prompt is empty"),
@@ -182,3 +184,22 @@ def test_generate_in_a_fresh_process_runs_bf16_with_the_cpu_flag(tiny_pair, tmp_
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "summary: 1 prompt, 8 tokens" in proc.stdout
+
+
+def test_policy_option_and_state_file(capsys, tiny_pair, tmp_path):
+    """--policy with options, the decision-overhead line, and --policy-state saved then loaded."""
+    target, draft = tiny_pair
+    state = tmp_path / "nightjar.json"
+    args = ["--target", target, "--draft", draft, *llm_cli_args(), "--policy", "nightjar",
+            "--policy-option", "seed=1", "--policy-state", str(state), "--prompt", "def f(x):",
+            "--max-tokens", "6", "--ignore-eos", "--no-progress"]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert "policy nightjar:" in err and "of step time" in err
+    saved = json.loads(state.read_text())
+    assert saved["policy"] == "nightjar" and saved["state"]["contexts"]
+    code, out, err = run_cli(capsys, *args)  # loads the state it saved
+    assert code == 0, err
+    steps_before = sum(sum(c["counts"]) for c in saved["state"]["contexts"].values())
+    saved2 = json.loads(state.read_text())
+    assert sum(sum(c["counts"]) for c in saved2["state"]["contexts"].values()) > steps_before

@@ -193,6 +193,7 @@ def test_default_pair_sizes():
     t, d = config_for("default", "target"), config_for("default", "draft")
     assert t.num_params() >= 10_000_000
     assert forward_flops_per_token(d, 256) <= forward_flops_per_token(t, 256) / 6
+    assert 2 * (t.num_params() + d.num_params()) <= 25_000_000  # bf16 pair within 25 MB
 
 
 def test_cli_parses_train_and_distill():

@@ -1,0 +1,279 @@
+"""AdaSpec: efficiency-maximising draft and verify lengths from draft confidence and a cost model.
+
+AdaSpec (papers/adaspec.txt §4–5; formulas restored in papers.md) maximises the efficiency of a
+speculative step, expected accepted tokens per second of step time, E = N/T:
+
+* N (§4.2, Eq. 6–7): c_{i,j} = Π_{t≤j} q_i(x_t) estimates the probability that the first j draft
+  tokens of request i are all accepted (c_{i,0} = 1 is the bonus/correction token, always
+  emitted), so N = Σ_i Σ_{j=0..γ_i} c_{i,j}.
+* T (§4.1): γ draft forwards then one target forward. The paper fits a linear model; we read the
+  profiled table of `jspec profile` instead (papers.md allows either):
+  T = D·draft_step(B, L) + target_step(B, q, L), with B = view.batch_size (every row of the step
+  runs through both forwards), L = the mean context length of the decoding sequences, D = draft
+  forwards (the largest γ_i) and q = 1 + Σ_i γ_i / B. The profile's grid has one query length q
+  per sequence, so ragged verify lengths are mapped to the same total token count spread evenly:
+  B·q = B + Σ_i γ_i tokens (each row's own token plus all verified draft tokens). Prefill tokens
+  beyond a row's first are left out: they cost the same whatever γ is, and pushing them into a
+  per-sequence q would send lookups far past the grid.
+* SLO (§5.3): if T > tpot_slo while anything is speculated, E = −1, so any γ > 0 loses to γ = 0.
+
+Three pieces (§5):
+
+(a) Adaptive drafter, plan(). The paper's "predict–execute–correct" loop (Alg. 1) decides after
+every draft forward on the host; our draft loop runs on device with no round trip per token, so
+the rule is compiled into a draft length and a per-sequence confidence threshold.
+
+  Cap γ*: predict every c_{i,j} by c̄^j (c̄ = running mean of observed per-token confidence, prior
+  0.6) and walk γ = 0, 1, ... while the predicted E(γ) still rises (E is unimodal in γ, §4.3
+  Theorem 4.3 and its Remark), γ* = the first local maximum, i.e. the largest γ reached by a
+  rising step. Every sequence plans γ*.
+
+  Threshold: adding a token with expected gain g (accepted tokens) and time cost τ moves E to
+  (N + g)/(T + τ), which lies between N/T and g/τ, so it raises E iff g/τ > E. At the optimum E*
+  (Dinkelbach's condition for maximising a ratio) a token is worth verifying iff g/τ > E*. For
+  token j+1 of request i the predict step gives g = c_{i,j}·c̄, and τ is the cost of one drafted
+  token, taken as the mean over the planned range,
+      τ = (T(γ*) − T(0)) / (γ*·n),
+  the draft forward shared by the n drafting sequences plus the target's cost of one more verify
+  token (for linear costs exactly draft_step/n + the target's per-token slope). Hence
+      draft token j+1  ⇔  c_{i,j}·c̄ > τ·E*  ⇔  c_{i,j} > stop_confidence := τ·E*/c̄,
+  which is exactly the device rule: token j (0-based) is drafted iff the product of the
+  confidences of the tokens before it is ≥ stop_confidence_i. A sequence whose real confidences
+  equal c̄ drafts all γ* tokens (γ* was a rising step, so c̄^γ*/τ > E(γ*) = E*); one whose product
+  drops below the threshold stops early: that is the "correct" step, with the real product in
+  place of the prediction. The token that dropped the product has been drafted already; select()
+  removes it if it does not pay. E* comes from the c̄ prediction, and τ amortises the draft
+  forward over all n sequences even when fewer are still drafting: both are approximations that
+  select() repairs with the real confidences.
+
+(b) Confidence-prior verifier, select() (Alg. 2): after drafting, remove draft tokens in ascending
+order of c_{i,j} while E rises. A token can only go after every token behind it in its request,
+so the candidates are the requests' LAST KEPT tokens (a heap of tails; re-pushing a request's new
+tail after each removal is what the released code got wrong when it kept looking at the last
+drafted token). c_{i,j} never grows with j (confidences ≤ 1), so this is also the global ascending
+order. The draft time is already spent and stays in T: E is the step's real efficiency. The loop
+ends when a removal no longer raises E or nothing is left. One exception: while the kept set
+breaks the SLO (E = −1) removing a token leaves E at −1, which is no rise, yet fewer tokens are
+the only way back under the SLO, so removal goes on until the SLO holds (or nothing is left; with
+nothing speculated the SLO rule no longer applies).
+
+(c) c̄ is the running mean of the per-token confidences q(x_j) of verified tokens
+(outcome.confidence, NaN where not verified). Verified tokens are the ones select() kept, a
+sample biased towards confident tokens; the paper does not say which tokens its history holds.
+
+Options: ``profile`` (path or StepProfile, required), ``tpot_slo`` (seconds, None = no SLO),
+``confidence_prior`` (c̄ before anything was observed, 0.6), ``verifier`` (True; False skips
+select() and its host sync: the paper's AdaSpec− ablation, drafter only).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import numpy as np
+
+from policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
+from policies.profile import _FLOOR, StepProfile, load_profile
+
+
+def cumulative_confidence(confidence: np.ndarray, num_drafted: np.ndarray) -> np.ndarray:
+    """c_{i,j} = Π_{t≤j} q_i(x_t) as [n, G] (column j−1 holds c_{i,j}); 0 past num_drafted_i.
+
+    Confidences are clipped to [0, 1] (they are probabilities; float noise must not make a
+    product grow along a request), and positions past what was drafted are ignored.
+    """
+    conf = np.clip(np.nan_to_num(np.asarray(confidence, np.float64), nan=0.0), 0.0, 1.0)
+    drafted = np.asarray(num_drafted, np.int64).reshape(-1, 1)
+    conf = np.where(np.arange(conf.shape[1])[None, :] < drafted, conf, 0.0)
+    return np.cumprod(conf, axis=1)
+
+
+class AdaSpecPolicy(Policy):
+    """AdaSpec (papers/adaspec.txt §4–5): see the module docstring for the derivations."""
+
+    name = "adaspec"
+
+    def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
+                 tpot_slo: float | None = None, confidence_prior: float = 0.6,
+                 verifier: bool = True):
+        super().__init__(max_gamma)
+        self.profile = load_profile(self.name, profile)
+        if tpot_slo is not None:
+            if isinstance(tpot_slo, bool) or not isinstance(tpot_slo, (int, float)) \
+                    or not tpot_slo > 0:
+                raise ValueError(f"tpot_slo must be a number of seconds > 0 (or None), "
+                                 f"got {tpot_slo!r}")
+            tpot_slo = float(tpot_slo)
+        self.tpot_slo = tpot_slo
+        if isinstance(confidence_prior, bool) or not isinstance(confidence_prior, (int, float)) \
+                or not 0.0 < confidence_prior <= 1.0:
+            raise ValueError(f"confidence_prior must be in (0, 1], got {confidence_prior!r}")
+        self.confidence_prior = float(confidence_prior)
+        if not isinstance(verifier, bool):
+            raise ValueError(f"verifier must be true or false, got {verifier!r}")
+        self.verifier = verifier
+        # running mean of per-token draft confidence, and counters (state_dict)
+        self.conf_sum = 0.0
+        self.conf_count = 0
+        self.num_steps = 0
+        self.num_planned = 0  # draft tokens planned (γ_i summed)
+        self.num_removed = 0  # draft tokens the verifier removed
+
+    # ------------------------------------------------------------------ the model
+    @property
+    def mean_confidence(self) -> float:
+        """c̄: the running mean of observed per-token confidence (the prior until one is seen)."""
+        return self.conf_sum / self.conf_count if self.conf_count else self.confidence_prior
+
+    @staticmethod
+    def _load(view: BatchView) -> tuple[float, float]:
+        """(B, L): rows in the step and mean context of the decoding sequences."""
+        batch = max(view.batch_size, view.num_decode, 1)
+        ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
+        return float(batch), ctx
+
+    def step_time(self, view: BatchView, verify_tokens: float, draft_steps: int) -> float:
+        """T = draft_steps·draft_step(B, L) + target_step(B, 1 + verify_tokens/B, L) (§4.1)."""
+        batch, ctx = self._load(view)
+        return (self.profile.target_step(batch, 1.0 + verify_tokens / batch, ctx)
+                + self.draft_time(view, draft_steps))
+
+    def draft_time(self, view: BatchView, draft_steps: int) -> float:
+        """draft_steps forwards of the draft, one token per row each."""
+        if draft_steps <= 0:
+            return 0.0
+        return draft_steps * self.profile.draft_step(*self._load(view))
+
+    def target_costs(self, view: BatchView, max_tokens: int) -> np.ndarray:
+        """target_step(B, 1 + K/B, L) for K = 0..max_tokens verify tokens, in one numpy pass.
+
+        select() runs between the draft and the verify forward, so its time adds to every step;
+        one scalar lookup per removed token would cost ~10 µs each. At fixed (B, L) the profile's
+        multilinear lookup is piecewise linear in q (linear extrapolation past the ends, then the
+        time floor), so its values at the grid's query lengths reproduce it exactly.
+        """
+        batch, ctx = self._load(view)
+        grid = np.asarray(self.profile.query_lens, np.float64)
+        at_grid = np.array([self.profile.target_step(batch, q, ctx) for q in grid])
+        q = 1.0 + np.arange(max_tokens + 1) / batch
+        if len(grid) == 1:
+            return np.full(q.shape, at_grid[0])
+        i = np.clip(np.searchsorted(grid, q, side="right") - 1, 0, len(grid) - 2)
+        t = (q - grid[i]) / (grid[i + 1] - grid[i])
+        return np.maximum((1.0 - t) * at_grid[i] + t * at_grid[i + 1], _FLOOR)
+
+    def _efficiency(self, accepted: float, time: float, speculating: bool) -> float:
+        """N/T, or −1 when a speculating step would break the TPOT SLO (§5.3)."""
+        if speculating and self.tpot_slo is not None and time > self.tpot_slo:
+            return -1.0
+        return accepted / time
+
+    def efficiency(self, view: BatchView, cum_conf: np.ndarray, lengths,
+                   draft_steps: int | None = None) -> float:
+        """E for verify lengths ``lengths`` given c_{i,j} (``cum_conf`` [n, G], column j−1 =
+        c_{i,j}); ``draft_steps`` = draft forwards run (default: the longest length)."""
+        lengths = np.asarray(lengths, np.int64)
+        cols = np.arange(np.shape(cum_conf)[1])[None, :]
+        accepted = len(lengths) + float(np.where(cols < lengths[:, None], cum_conf, 0.0).sum())
+        steps = int(lengths.max(initial=0)) if draft_steps is None else draft_steps
+        total = int(lengths.sum())
+        return self._efficiency(accepted, self.step_time(view, total, steps), total > 0)
+
+    def predicted_efficiency(self, view: BatchView, gamma: int) -> float:
+        """E(γ) with every sequence drafting γ and c_{i,j} predicted as c̄^j."""
+        n = view.num_decode
+        accepted = n * float(np.sum(self.mean_confidence ** np.arange(gamma + 1)))
+        return self._efficiency(accepted, self.step_time(view, n * gamma, gamma), gamma > 0)
+
+    def plan_gamma(self, view: BatchView) -> tuple[int, float]:
+        """(γ*, E*): walk γ up while the predicted efficiency rises (first local maximum)."""
+        best_gamma, best = 0, self.predicted_efficiency(view, 0)
+        for gamma in range(1, self.max_gamma + 1):
+            e = self.predicted_efficiency(view, gamma)
+            if e <= best:
+                break
+            best_gamma, best = gamma, e
+        return best_gamma, best
+
+    def stop_threshold(self, view: BatchView, gamma: int, best: float) -> float:
+        """stop_confidence = τ·E*/c̄ with τ = (T(γ*) − T(0))/(γ*·n) (module docstring, (a))."""
+        n = view.num_decode
+        if gamma <= 0 or n == 0:
+            return 0.0
+        tau = (self.step_time(view, n * gamma, gamma) - self.step_time(view, 0, 0)) / (gamma * n)
+        return max(tau, 0.0) * best / self.mean_confidence
+
+    # ------------------------------------------------------------------ the protocol
+    def plan(self, view: BatchView) -> DraftPlan:
+        n = view.num_decode
+        if not view.draft_resident or n == 0 or self.max_gamma == 0:
+            return DraftPlan(gammas=np.zeros(n, np.int32))
+        gamma, best = self.plan_gamma(view)
+        self.num_planned += gamma * n
+        return DraftPlan(gammas=np.full(n, gamma, np.int32),
+                         stop_confidence=np.full(n, self.stop_threshold(view, gamma, best),
+                                                 np.float32))
+
+    def eliminate(self, view: BatchView, stats: DraftStats) -> tuple[np.ndarray, list]:
+        """The confidence-prior verifier (§5.2, Alg. 2). Returns (verify lengths, removed tokens
+        in removal order as (request index, 1-based position))."""
+        drafted = np.asarray(stats.num_drafted, np.int64)
+        c = cumulative_confidence(stats.confidence, drafted)
+        lengths = drafted.copy()
+        draft_steps = int(drafted.max(initial=0))  # spent already; stays in T
+        accepted = len(drafted) + float(c.sum())
+        total = int(drafted.sum())
+        # T(K) for K verify tokens kept: the spent draft forwards plus the target's forward
+        times = self.draft_time(view, draft_steps) + self.target_costs(view, total)
+        current = self._efficiency(accepted, times[total], total > 0)
+        # each request's last kept token; (c, request) so ties go to the lower index
+        tails = [(c[i, k - 1], i) for i, k in enumerate(drafted) if k > 0]
+        heapq.heapify(tails)
+        removed = []
+        while tails:  # nothing left: stop
+            value, i = tails[0]
+            e = self._efficiency(accepted - value, times[total - 1], total > 1)
+            if e <= current and current != -1.0:  # under a broken SLO, keep removing
+                break
+            heapq.heappop(tails)
+            removed.append((i, int(lengths[i])))
+            lengths[i] -= 1
+            accepted, total, current = accepted - value, total - 1, e
+            if lengths[i] > 0:  # the request's new tail: its last KEPT token
+                heapq.heappush(tails, (c[i, lengths[i] - 1], i))
+        return lengths, removed
+
+    def select(self, view: BatchView, stats: DraftStats) -> np.ndarray:
+        lengths, removed = self.eliminate(view, stats)
+        self.num_removed += len(removed)
+        return lengths
+
+    @property
+    def wants_select(self) -> bool:
+        return self.verifier
+
+    def observe(self, outcome: StepOutcome) -> None:
+        conf = np.asarray(outcome.confidence, np.float64)
+        seen = conf[~np.isnan(conf)]
+        self.conf_sum += float(seen.sum())
+        self.conf_count += int(seen.size)
+        self.num_steps += 1
+
+    # ------------------------------------------------------------------ state
+    _STATE_KEYS = ("conf_sum", "conf_count", "num_steps", "num_planned", "num_removed")
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: getattr(self, k) for k in self._STATE_KEYS}
+        state["mean_confidence"] = self.mean_confidence  # for reading; derived, not loaded
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - set(self._STATE_KEYS) - {"mean_confidence"}
+        missing = set(self._STATE_KEYS) - set(state)
+        if unknown or missing:
+            raise ValueError(f"adaspec state: unknown keys {sorted(unknown)}, "
+                             f"missing keys {sorted(missing)}")
+        self.conf_sum = float(state["conf_sum"])
+        for k in ("conf_count", "num_steps", "num_planned", "num_removed"):
+            setattr(self, k, int(state[k]))

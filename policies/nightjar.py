@@ -1,0 +1,268 @@
+"""Nightjar: a contextual bandit over the speculation length γ, with the batch size as context
+(papers/nightjar.txt §4.2, Algorithm 1 and Eq. (3); papers.md "Nightjar").
+
+Arms are γ ∈ {0..Γmax}; γ = 0 is plain decoding. Every sequence of a step drafts the same γ (the
+arm). The reward of a step is its realized goodput, ``StepOutcome.goodput`` = emitted tokens /
+step wall time, where the step time includes the draft's catch-up, so a switch from γ = 0 back to
+speculation pays for itself in the reward as well as in Eq. (3).
+
+Per context B the policy keeps Algorithm 1's counters (j_B, H_B, b_B, τ_B), all starting at 1,
+and per (B, γ) a visit count and the cumulative moving average goodput g̃_{B,γ}
+(g̃ ← g̃ + (r − g̃)/n, §4.2). At the first step of a bin (τ_B = 1) the bin becomes an exploration
+bin with probability 1/√b_B, playing one arm drawn uniformly from {0..Γmax} for the whole bin;
+otherwise it is an exploitation bin, which solves Eq. (3) at every one of its steps:
+
+    γ* = argmin_γ 1/g̃_{B,γ} + 1[γ_{t−1} = 0 ∧ γ > 0] · c_prefill(L_max, B) / γ
+
+After each step τ_B += 1; τ_B > √H_B ends the bin (b_B += 1, τ_B = 1); b_B > √H_B ends the block
+(j_B += 1, H_B = 2^(j_B−1), b_B = 1). The comparisons are done on integers (τ² > H), which is
+exact because H_B is an integer. Eq. (3) mixes units (1/g̃ is seconds per token, c_prefill/γ
+seconds per drafted token); we keep it exactly as the paper writes it.
+
+Choices the paper leaves open:
+
+- Context: ``batch_bucket(view.batch_size)`` (policies/base.py): the smallest power of two ≥ the
+  number of sequences in the step (decode + prefill), so neighbouring batch sizes share what they
+  learn and the number of contexts stays logarithmic in the maximum batch.
+- Unvisited arms (g̃ = 0, so 1/g̃ = ∞): explore-first. In an exploitation bin an arm never
+  played in this context is chosen before any visited one, lowest γ first (0, 1, ..., Γmax):
+  deterministic, and γ = 0 (the safe arm under load) is measured first. Among visited arms, ties
+  of Eq. (3) go to the lowest γ (np.argmin), and a visited arm with g̃ = 0 scores ∞.
+- γ_{t−1} is global, not per context: the indicator stands for "the draft fell behind", which
+  is a property of the running sequences, and they carry over when B changes; a per-context
+  γ_{t−1} could refer to a step long ago and charge (or forgive) a catch-up that is not there.
+  It is the γ the engine actually ran in the last observed step (max of ``outcome.gammas``, so
+  a plan clipped to 0 counts as 0); before the first step there is none (no switching term).
+- B changing mid-bin: the counters, bin type and exploration arm are per context, so a bin of
+  context B pauses while other contexts run and resumes (same type, same arm, τ_B where it
+  stopped) the next time B comes back; τ_B counts only steps taken in context B.
+- Draft not resident (offloaded, §5): γ = 0 is forced. The step is a genuine sample of arm 0 in
+  context B, so it updates g̃_{B,0}, but the bandit did not play it, so the counters do not move.
+  A step observed without a plan (an engine that skips ``plan`` while the draft is away) is
+  treated the same way, crediting the γ it ran. Steps with no decoding sequence teach nothing.
+- c_prefill(L_max, B), with L_max = max(view.pending_draft_tokens) (§4.2, "Prefill Cost
+  Modeling"):
+  * with option ``profile`` (a path or a StepProfile from ``jspec profile``): the profile's
+    ``c_prefill(L_max, n_decode)``, its catch-up table interpolated as the paper's Table 3; the
+    batch axis is the number of decoding sequences, the ones that catch up;
+  * without: estimated online. Each observed step with catch-up work adds its
+    (catch_up_time, catch_up_tokens) to exponentially decayed sums (factor 0.95 per such step,
+    so the estimate follows the hardware's current state); seconds per catch-up token
+    s = Σ time / Σ tokens (the least-squares slope through the origin with weights 1/tokens).
+    c_prefill = s · Σ_i max(pending_i − 1, 0): the engine packs catch-up ragged, feeding every
+    lagging token but the newest (which the draft loop consumes), so the cost scales with the
+    tokens themselves, not with L_max·B of a padded batch. Until a catch-up has been seen the
+    estimate is 0 (no evidence of a cost, no penalty).
+  Option ``switching_cost=False`` drops the term (plain ADA-BINGREEDY with contexts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from policies.base import BatchView, DraftPlan, Policy, StepOutcome, batch_bucket
+from policies.profile import StepProfile, load_profile
+
+EXPLORE, EXPLOIT = "explore", "exploit"
+_CATCH_UP_DECAY = 0.95  # weight of older catch-up observations, per new one
+
+
+@dataclasses.dataclass
+class _Context:
+    """Algorithm 1's state of one batch-size context, plus its per-arm statistics."""
+
+    counts: list[int]  # visits per γ
+    goodput: list[float]  # g̃_{B,γ}: cumulative moving average reward per γ
+    j: int = 1  # block index
+    H: int = 1  # block size 2^(j−1)
+    b: int = 1  # bin index within the block
+    tau: int = 1  # round within the bin
+    mode: str | None = None  # type of the open bin; None until its first step is planned
+    explore_arm: int = 0  # the arm of an exploration bin (fixed for the bin)
+
+    def advance(self) -> None:
+        """Lines 16-22 of Algorithm 1, after a step played in this context."""
+        self.tau += 1
+        if self.tau * self.tau > self.H:  # τ_B > √H_B: bin completed
+            self.b += 1
+            self.tau = 1
+            self.mode = None
+            if self.b * self.b > self.H:  # b_B > √H_B: block completed
+                self.j += 1
+                self.H = 2 ** (self.j - 1)
+                self.b = 1
+
+
+class NightjarPolicy(Policy):
+    name = "nightjar"
+
+    def __init__(self, max_gamma: int = 4, profile: "str | os.PathLike | StepProfile | None" = None,
+                 seed: int = 0, switching_cost: bool = True):
+        super().__init__(max_gamma)
+        if profile is not None and not isinstance(profile, (str, os.PathLike, StepProfile)):
+            raise ValueError(f"nightjar option profile must be a path to a step profile or a "
+                             f"StepProfile, got {type(profile).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"nightjar option seed must be an integer >= 0, got {seed!r}")
+        if not isinstance(switching_cost, bool):
+            raise ValueError(f"nightjar option switching_cost must be true or false, got "
+                             f"{switching_cost!r}")
+        # the engine checks `profile` against its models
+        self.profile = None if profile is None else load_profile(self.name, profile)
+        self.switching_cost = switching_cost
+        self._rng = np.random.default_rng(seed)
+        self._contexts: dict[int, _Context] = {}
+        self._prev_gamma: int | None = None  # γ_{t−1}, global (see the module docstring)
+        self._catch_up_time = 0.0  # decayed sums for the online c_prefill estimate
+        self._catch_up_tokens = 0.0
+        self._pending: dict[str, Any] | None = None  # the decision awaiting its outcome
+
+    # ------------------------------------------------------------------ decisions
+    def plan(self, view: BatchView) -> DraftPlan:
+        n = view.num_decode
+        if n == 0:
+            self._pending = None
+            return DraftPlan(gammas=np.zeros(0, np.int32))
+        key = batch_bucket(view.batch_size)
+        if not view.draft_resident:
+            self._pending = {"context": key, "gamma": 0, "forced": True}
+            return DraftPlan(gammas=np.zeros(n, np.int32))
+        ctx = self._context(key)
+        if ctx.mode is None:  # τ_B = 1: bin initialization (lines 6-8)
+            explore = self._rng.random() < 1.0 / math.sqrt(ctx.b)
+            ctx.mode = EXPLORE if explore else EXPLOIT
+            if explore:  # uniform exploration, one arm for the whole bin (lines 9-11)
+                ctx.explore_arm = int(self._rng.integers(self.max_gamma + 1))
+        gamma = ctx.explore_arm if ctx.mode == EXPLORE else self._exploit(ctx, view)
+        self._pending = {"context": key, "gamma": gamma, "forced": False}
+        return DraftPlan(gammas=np.full(n, gamma, np.int32))
+
+    def _exploit(self, ctx: _Context, view: BatchView) -> int:
+        """Eq. (3), explore-first for arms never played in this context (lines 12-14)."""
+        for gamma, count in enumerate(ctx.counts):
+            if count == 0:
+                return gamma
+        return int(np.argmin(self._scores(ctx, view)))
+
+    def _scores(self, ctx: _Context, view: BatchView) -> np.ndarray:
+        g = np.asarray(ctx.goodput, np.float64)
+        visited = (np.asarray(ctx.counts) > 0) & (g > 0)
+        scores = np.full(len(g), np.inf)
+        scores[visited] = 1.0 / g[visited]
+        if self.switching_cost and self._prev_gamma == 0 and self.max_gamma > 0:
+            arms = np.arange(1, self.max_gamma + 1)
+            scores[1:] += self.c_prefill(view) / arms
+        return scores
+
+    def scores(self, view: BatchView) -> np.ndarray:
+        """Eq. (3)'s objective per γ for this view's context (∞ for unvisited arms)."""
+        ctx = self._contexts.get(batch_bucket(view.batch_size)) or self._new_context()
+        return self._scores(ctx, view)
+
+    def c_prefill(self, view: BatchView) -> float:
+        """Seconds the draft would need to catch up before drafting this view (see module
+        docstring: the profile's table if given, else the online estimate)."""
+        pending = np.asarray(view.pending_draft_tokens, np.int64)
+        if pending.size == 0:
+            return 0.0
+        if self.profile is not None:
+            return self.profile.c_prefill(float(pending.max()), view.num_decode)
+        if self._catch_up_tokens <= 0:
+            return 0.0
+        seconds_per_token = self._catch_up_time / self._catch_up_tokens
+        return seconds_per_token * float(np.maximum(pending - 1, 0).sum())
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, outcome: StepOutcome) -> None:
+        decision, self._pending = self._pending, None
+        if len(outcome.request_ids) == 0:
+            return
+        if outcome.catch_up_tokens > 0 and outcome.catch_up_time > 0:
+            self._catch_up_time = _CATCH_UP_DECAY * self._catch_up_time + outcome.catch_up_time
+            self._catch_up_tokens = (_CATCH_UP_DECAY * self._catch_up_tokens
+                                     + outcome.catch_up_tokens)
+        played = int(np.max(outcome.gammas))
+        self._prev_gamma = played
+        if decision is None:  # a step this policy did not plan: learn, but do not count it
+            decision = {"context": batch_bucket(outcome.batch_size), "gamma": played,
+                        "forced": True}
+        ctx = self._context(decision["context"])
+        arm = decision["gamma"]
+        ctx.counts[arm] += 1
+        ctx.goodput[arm] += (outcome.goodput - ctx.goodput[arm]) / ctx.counts[arm]
+        if not decision["forced"]:
+            ctx.advance()
+
+    # ------------------------------------------------------------------ introspection
+    def context_stats(self) -> dict[int, dict[str, Any]]:
+        """Per batch bucket: Algorithm 1's counters, the open bin, visit counts and g̃ per γ."""
+        return {key: dataclasses.asdict(ctx) for key, ctx in sorted(self._contexts.items())}
+
+    def greedy_gamma(self, batch_size: int) -> int | None:
+        """The arm with the best g̃ in this batch size's context, ignoring switching costs and
+        unvisited arms (None if nothing was learned there): what the policy has learned."""
+        ctx = self._contexts.get(batch_bucket(batch_size))
+        if ctx is None or not any(ctx.counts):
+            return None
+        g = np.where(np.asarray(ctx.counts) > 0, ctx.goodput, -np.inf)
+        return int(np.argmax(g))
+
+    @property
+    def prev_gamma(self) -> int | None:
+        return self._prev_gamma
+
+    # ------------------------------------------------------------------ state
+    def _new_context(self) -> _Context:
+        return _Context(counts=[0] * (self.max_gamma + 1), goodput=[0.0] * (self.max_gamma + 1))
+
+    def _context(self, key: int) -> _Context:
+        if key not in self._contexts:
+            self._contexts[key] = self._new_context()
+        return self._contexts[key]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.name,
+            "max_gamma": self.max_gamma,
+            "contexts": {str(k): dataclasses.asdict(c) for k, c in sorted(self._contexts.items())},
+            "prev_gamma": self._prev_gamma,
+            "catch_up": {"time": self._catch_up_time, "tokens": self._catch_up_tokens},
+            "rng": self._rng.bit_generator.state,
+            "pending": None if self._pending is None else dict(self._pending),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        arms = self.max_gamma + 1
+        try:
+            contexts = {}
+            for key, c in state["contexts"].items():
+                ctx = _Context(**c)
+                if len(ctx.counts) != arms or len(ctx.goodput) != arms:
+                    raise ValueError(f"context {key} has {len(ctx.counts)} arms, expected {arms}")
+                if ctx.mode not in (None, EXPLORE, EXPLOIT):
+                    raise ValueError(f"context {key} has bin type {ctx.mode!r}")
+                ctx.counts = [int(x) for x in ctx.counts]
+                ctx.goodput = [float(x) for x in ctx.goodput]
+                contexts[int(key)] = ctx
+            rng = np.random.default_rng()
+            rng.bit_generator.state = state["rng"]
+            prev = state["prev_gamma"]
+            catch_up = (float(state["catch_up"]["time"]), float(state["catch_up"]["tokens"]))
+            pending = state.get("pending")
+            if pending is not None:
+                pending = {"context": int(pending["context"]), "gamma": int(pending["gamma"]),
+                           "forced": bool(pending["forced"])}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed nightjar state: {e}") from None
+        # only now, so a bad state leaves the policy as it was
+        self._contexts = contexts
+        self._rng = rng
+        self._prev_gamma = None if prev is None else int(prev)
+        self._catch_up_time, self._catch_up_tokens = catch_up
+        self._pending = pending

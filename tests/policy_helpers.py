@@ -1,0 +1,85 @@
+"""Builders of BatchView / StepOutcome / DraftStats for policy tests (no model, no JAX)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.base import BatchView, DraftStats, StepOutcome
+
+
+def make_view(num_decode: int = 1, batch_size: int | None = None, max_gamma: int = 4, *,
+              context_lens=None, pending=None, request_ids=None, num_waiting: int = 0,
+              num_free_blocks: int = 100, num_total_blocks: int = 100,
+              draft_resident: bool = True, num_prefill_tokens: int = 0) -> BatchView:
+    """A view of ``num_decode`` decoding sequences (ids 'r0'..) in a step of ``batch_size``."""
+    ids = request_ids if request_ids is not None else [f"r{i}" for i in range(num_decode)]
+    n = len(ids)
+    return BatchView(
+        request_ids=list(ids),
+        context_lens=np.asarray(context_lens if context_lens is not None else [100] * n),
+        pending_draft_tokens=np.asarray(pending if pending is not None else [1] * n),
+        batch_size=batch_size if batch_size is not None else n,
+        num_prefill_tokens=num_prefill_tokens, num_waiting=num_waiting,
+        num_free_blocks=num_free_blocks, num_total_blocks=num_total_blocks,
+        draft_resident=draft_resident, max_gamma=max_gamma)
+
+
+def make_outcome(view: BatchView, gammas, num_accepted, *, step_time: float = 0.01,
+                 kl=None, confidence=None, accept_prob=None, draft_entropy=None,
+                 num_drafted=None, num_verified=None, num_emitted=None,
+                 catch_up_time: float = 0.0, catch_up_tokens: int = 0,
+                 draft_time: float = 0.0) -> StepOutcome:
+    """An outcome for ``view``: per-sequence planned γ and accepted counts; per-position signals
+    [n, max_gamma] default to NaN (not verified). Emitted = accepted + 1 unless given."""
+    n = view.num_decode
+    g = view.max_gamma
+    gammas = np.asarray(gammas, np.int64).reshape(n)
+    accepted = np.asarray(num_accepted, np.int64).reshape(n)
+    drafted = gammas if num_drafted is None else np.asarray(num_drafted, np.int64)
+    verified = drafted if num_verified is None else np.asarray(num_verified, np.int64)
+    emitted = accepted + 1 if num_emitted is None else np.asarray(num_emitted, np.int64)
+
+    def signal(a):
+        out = np.full((n, g), np.nan, np.float32)
+        if a is not None:
+            a = np.asarray(a, np.float32)
+            out[:, :a.shape[1]] = a
+        return out
+
+    return StepOutcome(
+        request_ids=list(view.request_ids), gammas=gammas, num_drafted=drafted,
+        num_verified=verified, num_accepted=accepted, num_emitted=emitted,
+        batch_size=view.batch_size, step_time=step_time, draft_time=draft_time,
+        verify_time=max(step_time - draft_time - catch_up_time, 0.0),
+        catch_up_time=catch_up_time, catch_up_tokens=catch_up_tokens,
+        num_prefill_tokens=view.num_prefill_tokens, accept_prob=signal(accept_prob),
+        kl=signal(kl), draft_entropy=signal(draft_entropy), confidence=signal(confidence))
+
+
+def make_stats(confidence, num_drafted=None, draft_entropy=None) -> DraftStats:
+    conf = np.asarray(confidence, np.float32)
+    drafted = (np.full(conf.shape[0], conf.shape[1]) if num_drafted is None
+               else np.asarray(num_drafted))
+    ent = np.zeros_like(conf) if draft_entropy is None else np.asarray(draft_entropy, np.float32)
+    return DraftStats(num_drafted=drafted, confidence=conf, draft_entropy=ent)
+
+
+class SyntheticEnv:
+    """A load-dependent environment: the goodput of a step with γ at batch size B is
+    ``reward(B, γ)`` tokens/s times (1 + noise). Used to drive policies without a model."""
+
+    def __init__(self, reward, noise: float = 0.05, seed: int = 0):
+        self.reward = reward
+        self.noise = noise
+        self.rng = np.random.default_rng(seed)
+
+    def outcome(self, view: BatchView, gamma: int) -> StepOutcome:
+        """A step where every sequence used ``gamma``; emitted tokens fixed at 1 + γ/2 each,
+        step time set so the goodput is the noisy reward."""
+        n = view.num_decode
+        emitted = np.full(n, 1 + gamma // 2, np.int64)
+        goodput = max(self.reward(view.batch_size, gamma) * (1 + self.noise *
+                                                            self.rng.standard_normal()), 1e-6)
+        step_time = float(emitted.sum()) / goodput
+        return make_outcome(view, [gamma] * n, emitted - 1, step_time=step_time,
+                            num_emitted=emitted)
