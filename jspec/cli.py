@@ -13,6 +13,7 @@ COMMANDS = {
     "train": ("jspec.cli_train", "train the target model (and tokenizer) on the stdlib corpus"),
     "distill": ("jspec.cli_train", "distil a draft model from a trained target"),
     "profile": ("jspec.cli_profile", "measure a model pair's step times for cost-aware policies"),
+    "serve": ("jspec.cli_serve", "OpenAI-compatible HTTP server (needs the serve extra)"),
 }
 
 # `jspec bench NAME`: each module defines `add_arguments(parser)` and `run(args) -> int`.
@@ -21,6 +22,9 @@ BENCHMARKS = {
     "overhead": ("jspec.bench.overhead", "host-side overhead per engine step"),
     "pair": ("jspec.bench.pair", "acceptance and cost of a target/draft pair on held-out code"),
     "kernels": ("jspec.bench.kernels", "Pallas kernels vs references vs the bandwidth roofline"),
+    "serving": ("jspec.bench.serving", "online serving: policies side by side on a workload "
+                "and arrival schedule (Poisson, step, burst, Azure trace)"),
+    "plot": ("jspec.bench.plots", "figures of `jspec bench serving` results (matplotlib)"),
 }
 
 

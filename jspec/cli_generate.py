@@ -14,35 +14,15 @@ import json
 import os
 import sys
 import time
-from typing import Any
+
+from jspec.cli_common import (add_engine_arguments, add_model_arguments,
+                              add_speculation_arguments, check_model_arguments,
+                              describe_models, engine_kwargs, warmup)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    models = parser.add_argument_group("models")
-    models.add_argument("--target", metavar="DIR",
-                        help="target HF checkpoint directory (llama / qwen2 / mistral); "
-                             "default: the built-in default pair")
-    models.add_argument("--draft", metavar="DIR",
-                        help="draft checkpoint directory sharing the target's vocabulary; "
-                             "with --target but no --draft, decoding is plain (no speculation)")
-    models.add_argument("--tokenizer", metavar="DIR",
-                        help="tokenizer directory (default: the target's)")
-    models.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                        help="parameter and KV-cache dtype; auto = float32 on CPU, bfloat16 on "
-                             "accelerators (default: %(default)s)")
-
-    spec = parser.add_argument_group("speculation")
-    spec.add_argument("--policy", default="static",
-                      help="speculation policy: static (fixed γ), off, nightjar, dsde, adaspec, "
-                           "dsd, ucb, adaedl, heuristic (default: %(default)s)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="N",
-                      help="largest number of draft tokens per step, Γmax (default: %(default)s)")
-    spec.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
-                      help="policy option, repeatable (e.g. gamma=2 for static, "
-                           "profile=PROFILE.json for adaspec/dsd)")
-    spec.add_argument("--policy-state", metavar="FILE",
-                      help="load the policy's learned state from FILE if it exists, and save "
-                           "it there at the end")
+    add_model_arguments(parser)
+    add_speculation_arguments(parser)
 
     prompts = parser.add_argument_group("prompts")
     source = prompts.add_mutually_exclusive_group()
@@ -66,55 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--ignore-eos", action="store_true",
                           help="keep generating past the end-of-sequence token")
 
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=int, default=None,
-                        help="sequences per step (default: the number of prompts, at most 16; "
-                             "fewer rows mean fewer shape buckets to compile)")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="context limit (default: the target's, at most 4096)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="target tokens per step (default: derived)")
-    engine.add_argument("--block-size", type=int, default=None,
-                        help="KV block size in tokens (default: 16)")
-    engine.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV pool size in blocks (default: max-num-seqs full sequences)")
-    engine.add_argument("--min-token-bucket", type=int, default=None,
-                        help="smallest token-count shape bucket (default: 8)")
-    engine.add_argument("--kernel-backend", choices=["auto", "pallas", "interpret", "reference"],
-                        default=None,
-                        help="attention / KV-migration kernels: auto = Pallas on a GPU where they "
-                             "compile, else the jnp reference (default: auto)")
-    engine.add_argument("--no-warmup", action="store_true",
-                        help="skip compiling every shape bucket up front (first steps then "
-                             "compile as they go)")
-    engine.add_argument("--no-progress", action="store_true",
-                        help="no progress bars on stderr")
-
-
-def parse_option_value(text: str) -> Any:
-    """``2`` -> int, ``0.5`` -> float, ``true``/``false`` -> bool, ``none`` -> None, else str."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_policy_options(items: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"--policy-option expects KEY=VALUE, got {item!r}")
-        options[key.replace("-", "_")] = parse_option_value(value)
-    return options
+    add_engine_arguments(parser, max_num_seqs_help=(
+        "sequences per step (default: the number of prompts, at most 16; fewer rows mean fewer "
+        "shape buckets to compile)"))
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -164,19 +98,12 @@ def summary_line(outputs, seconds: float, num_steps: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from jspec.sampling_params import SamplingParams
-    from policies import make_policy
 
     # -- everything checkable without models, before loading anything
-    if args.draft is not None and args.target is None:
-        raise ValueError("--draft needs --target (give both, or neither for the default pair)")
+    policy_options = check_model_arguments(args)
     sampling_params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    policy_options = parse_policy_options(args.policy_option)
-    if args.num_speculative_tokens < 0:
-        raise ValueError(f"--num-speculative-tokens must be >= 0, got "
-                         f"{args.num_speculative_tokens}")
-    make_policy(args.policy, args.num_speculative_tokens, **policy_options)  # name and options
     prompts = read_prompts(args)
 
     # jspec reads checkpoints without torch; transformers' "PyTorch was not found" advice is noise
@@ -184,27 +111,19 @@ def run(args: argparse.Namespace) -> int:
     from jspec.llm import LLM
 
     progress = not args.no_progress
-    if args.target is None:
-        from jspec.default_models import describe_default_pair
-
-        print(f"using {describe_default_pair()}", file=sys.stderr)
-    elif args.draft is None:
-        print("no --draft: plain autoregressive decoding", file=sys.stderr)
+    describe_models(args)
     # an offline run never needs more rows than prompts, and fewer rows compile fewer buckets
     max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else min(16, len(prompts))
-    engine_kwargs = {name: getattr(args, name) for name in (
-        "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-        "min_token_bucket", "kernel_backend") if getattr(args, name) is not None}  # unset: EngineConfig's default
     llm = LLM(target=args.target, draft=args.draft, tokenizer=args.tokenizer, policy=args.policy,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
               max_num_seqs=max_num_seqs, policy_options=policy_options, warmup=False,
-              **engine_kwargs)
+              **engine_kwargs(args))
     for prompt in prompts:  # lengths against the context, before the warm-up
         llm.engine.validate_request(prompt, sampling_params)
     if args.policy_state and os.path.exists(args.policy_state):
         llm.engine.load_policy_state(args.policy_state)
     if not args.no_warmup:
-        _warmup(llm, progress)
+        warmup(llm.engine, progress)
 
     steps_before = llm.engine.metrics.num_steps
     start = time.perf_counter()
@@ -223,22 +142,3 @@ def run(args: argparse.Namespace) -> int:
         llm.engine.save_policy_state(args.policy_state)
     sys.stdout.flush()
     return 0
-
-
-def _warmup(llm, progress: bool) -> None:
-    from tqdm.auto import tqdm
-
-    start = time.perf_counter()
-    bar = tqdm(desc="compile", unit="bucket", disable=not progress, leave=False)
-
-    def step(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    try:
-        n = llm.engine.warmup(step)
-    finally:
-        bar.close()
-    if progress:
-        print(f"compiled {n} shape buckets in {time.perf_counter() - start:.1f} s",
-              file=sys.stderr)

@@ -96,8 +96,9 @@ def test_unknown_policy(tiny_pair):
     from jspec.llm import LLM
 
     target, draft = tiny_pair
-    with pytest.raises(ValueError, match=re.escape("unknown policy 'nope'; known policies: "
-                                                   "off, static")):
+    with pytest.raises(ValueError, match=re.escape(
+            "unknown policy 'nope'; known policies: adaedl, adaspec, dsd, dsde, heuristic, "
+            "nightjar, off, static, ucb")):
         LLM(target=target, draft=draft, policy="nope", **LLM_KW)
 
 

@@ -1,0 +1,563 @@
+"""`jspec bench serving`: online serving benchmark, in process, on ``AsyncLLMEngine``.
+
+One workload (``jspec.bench.workloads``) and one arrival schedule (``jspec.bench.arrivals``) are
+built once; then each policy given to ``--policy`` runs on them in turn, in this one process,
+each on a fresh engine over the same models, compiled before its clock starts. So the policies
+are compared side by side on identical requests at identical times. For example:
+
+    jspec bench serving --policy off static:gamma=2 nightjar --workload code \\
+        --arrivals poisson --rate 4 --num-requests 200 --max-tokens 128 --out run.json
+
+The driver is open-loop: every request is sent at its scheduled arrival time (an asyncio task
+sleeping until then) whatever the engine's state, and its stream is consumed as it comes; the
+time each chunk reaches the client is recorded (``serving_metrics`` has every definition). The
+engine's own steps are recorded by wrapping ``LLMEngine.step`` on the instance for the run (no
+engine change): per step, its batch size, the γ the policy chose for each decoding sequence
+(summed, with the max), verified / accepted / emitted tokens, prefill tokens and queue depths.
+
+Policies: ``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE]`` (``static:gamma=2``); ``--policy-option
+KEY=VALUE`` applies to every listed policy except ``off``, ``--policy-option NAME.KEY=VALUE`` to
+policy NAME only (e.g. ``adaspec.profile=profile.json``).
+
+Output: a table comparing the runs (throughput relative to the first run and to the best
+fixed choice, ``off`` and ``static``, of this invocation) and, with ``--out``, one JSON file:
+config, workload, arrivals, and per policy run the metrics, γ per batch-size bucket, the binned
+time series, the per-step records and the per-request records (arrival, chunk times and token
+counts, finish, speculation counters). ``--plot DIR`` draws ``jspec.bench.plots``' figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from jspec.bench import arrivals as arr
+from jspec.bench import workloads as wl
+from jspec.bench.serving_metrics import (RequestRecord, StepRecords, compute_metrics,
+                                         gamma_by_batch, summarize, time_series)
+
+FORMAT = "jspec-serving-bench-v1"
+ARRIVALS = ("poisson", "batch", "step", "burst", "trace")
+DEFAULT_NUM_REQUESTS = 64  # when an open-ended arrival process is given no limit
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    models = p.add_argument_group("models and engine")
+    models.add_argument("--target", metavar="DIR", help="default: the built-in pair's target")
+    models.add_argument("--draft", metavar="DIR", help="default: the built-in pair's draft")
+    models.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    models.add_argument("--num-speculative-tokens", type=int, default=4, metavar="N",
+                        help="Γmax of every engine (default: %(default)s)")
+    models.add_argument("--max-num-seqs", type=int, default=16)
+    models.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit (default: the target's, at most 4096)")
+    for name in ("max-num-batched-tokens", "block-size", "num-kv-blocks", "min-token-bucket"):
+        models.add_argument(f"--{name}", type=int, default=None,
+                            help="engine option (default: EngineConfig's)")
+
+    pol = p.add_argument_group("policies")
+    pol.add_argument("--policy", nargs="+", default=["static"], metavar="NAME[:K=V,...]",
+                     help="policies to run one after another on the same requests, e.g. "
+                          "off static:gamma=2 nightjar (default: static)")
+    pol.add_argument("--policy-option", action="append", default=[],
+                     metavar="[NAME.]KEY=VALUE",
+                     help="policy option for every policy but off, or for NAME only; "
+                          "repeatable")
+
+    work = p.add_argument_group("workload")
+    work.add_argument("--workload", choices=wl.WORKLOADS, default="code")
+    work.add_argument("--workload-file", metavar="PATH",
+                      help="the workload's data file (default: the shared data directory's)")
+    work.add_argument("--max-tokens", type=int, default=128,
+                      help="output tokens per request; caps a trace's GeneratedTokens "
+                           "(default: %(default)s)")
+    work.add_argument("--max-prompt-tokens", type=int, default=None,
+                      help="cap on prompt tokens (default: only the context limit)")
+    work.add_argument("--context-scale", type=float, default=1.0,
+                      help="multiply a trace's ContextTokens by this (default: %(default)s)")
+    work.add_argument("--temperature", type=float, default=0.0)
+    work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                      help="generate every budgeted token (default: on, so output lengths are "
+                           "the workload's)")
+    work.add_argument("--seed", type=int, default=0,
+                      help="seeds prompt sampling, arrivals and per-request sampling")
+
+    load = p.add_argument_group("arrivals")
+    load.add_argument("--arrivals", choices=ARRIVALS, default="poisson")
+    load.add_argument("--rate", type=float, default=2.0, help="requests/s (poisson)")
+    load.add_argument("--process", choices=arr.PROCESSES, default="poisson",
+                      help="poisson/step/burst: random (poisson) or evenly spaced (regular)")
+    load.add_argument("--steps", default=None, metavar="T:RATE,...",
+                      help="step pattern: rate RATE from second T, e.g. 0:1,30:4,60:1")
+    load.add_argument("--burst-period", type=float, default=10.0)
+    load.add_argument("--burst-size", type=int, default=8)
+    load.add_argument("--burst-base-rate", type=float, default=0.0)
+    load.add_argument("--trace", choices=sorted(arr.TRACE_FILES), default="conv")
+    load.add_argument("--trace-file", metavar="PATH", help="default: the shared data copy")
+    load.add_argument("--time-scale", type=float, default=1.0,
+                      help="trace: multiply arrival times (2 = half the rate)")
+    load.add_argument("--rate-scale", type=float, default=1.0,
+                      help="trace: thin (<1) or replicate (>1) requests")
+    load.add_argument("--window-start", type=float, default=0.0,
+                      help="trace: start of the replayed window, trace seconds")
+    load.add_argument("--duration", type=float, default=None,
+                      help="seconds of arrivals (a trace: of replay, i.e. after time scaling)")
+    load.add_argument("--num-requests", type=int, default=None,
+                      help=f"at most this many requests (default {DEFAULT_NUM_REQUESTS} when "
+                           f"no --duration is given, except for a trace)")
+
+    out = p.add_argument_group("metrics and output")
+    out.add_argument("--tpot-slo-ms", type=float, default=100.0,
+                     help="TPOT SLO for attainment and goodput (default: %(default)s ms)")
+    out.add_argument("--ttft-slo-ms", type=float, default=None,
+                     help="optional TTFT SLO, also required for goodput")
+    out.add_argument("--bin-seconds", type=float, default=None,
+                     help="time-series bin (default: about 1/60 of the arrival span)")
+    out.add_argument("--out", metavar="JSON", help="write all results to this file")
+    out.add_argument("--plot", metavar="DIR", help="also draw the plots into DIR")
+    out.add_argument("--no-requests", action="store_true",
+                     help="leave per-request and per-step records out of the JSON")
+    out.add_argument("--no-progress", action="store_true")
+
+
+# ----------------------------------------------------------------------------- policies
+def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list[dict]:
+    """[{"label", "name", "options"}] from --policy items and --policy-option entries; every
+    policy is built once here so a bad name or option fails before any model loads."""
+    from jspec.cli_common import parse_option_value
+    from policies import POLICIES, make_policy
+
+    common: dict[str, Any] = {}
+    targeted: dict[str, dict[str, Any]] = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--policy-option expects [NAME.]KEY=VALUE, got {item!r}")
+        name, dot, bare = key.partition(".")
+        if dot:
+            if name not in POLICIES:
+                raise ValueError(f"--policy-option {item!r}: unknown policy {name!r}")
+            targeted.setdefault(name, {})[bare.replace("-", "_")] = parse_option_value(value)
+        else:
+            common[key.replace("-", "_")] = parse_option_value(value)
+    runs, labels = [], {}
+    for spec in specs:
+        name, _, inline = spec.partition(":")
+        opts = {} if name == "off" else dict(common)
+        opts.update(targeted.get(name, {}))
+        for kv in filter(None, inline.split(",")):
+            key, sep, value = kv.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--policy {spec!r}: options are KEY=VALUE pairs after ':'")
+            opts[key.strip().replace("-", "_")] = parse_option_value(value)
+        make_policy(name, max_gamma, **opts)  # name and options, before anything loads
+        label = name + ("" if not opts else " " + " ".join(
+            f"{'γ' if k == 'gamma' else k}={os.path.basename(str(v))}" for k, v in
+            sorted(opts.items())))
+        labels[label] = labels.get(label, 0) + 1
+        if labels[label] > 1:
+            label = f"{label} #{labels[label]}"
+        runs.append({"label": label, "name": name, "options": opts})
+    return runs
+
+
+# ----------------------------------------------------------------------------- arrivals
+def build_arrivals(args: argparse.Namespace) -> arr.Arrivals:
+    num, duration = args.num_requests, args.duration
+    if args.arrivals != "trace" and num is None and duration is None:
+        num = DEFAULT_NUM_REQUESTS
+    if args.arrivals == "poisson":
+        return arr.poisson(args.rate, duration=duration, num_requests=num, seed=args.seed,
+                           process=args.process)
+    if args.arrivals == "batch":
+        if duration is not None:
+            raise ValueError("--arrivals batch sends everything at t = 0: give --num-requests, "
+                             "not --duration")
+        return arr.batch(num)
+    if args.arrivals == "step":
+        if not args.steps:
+            raise ValueError("--arrivals step needs --steps T:RATE,... (e.g. 0:1,30:4,60:1)")
+        return arr.step(arr.parse_segments(args.steps), duration=duration, num_requests=num,
+                        seed=args.seed, process=args.process)
+    if args.arrivals == "burst":
+        return arr.burst(args.burst_period, args.burst_size, duration=duration,
+                         num_requests=num, base_rate=args.burst_base_rate, seed=args.seed,
+                         process=args.process)
+    trace = arr.read_azure_trace(args.trace_file or arr.trace_path(args.trace))
+    if not args.time_scale > 0:
+        raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
+    window = None if duration is None else duration / args.time_scale
+    return arr.trace_arrivals(trace, time_scale=args.time_scale, rate_scale=args.rate_scale,
+                              window_start=args.window_start, window_duration=window,
+                              max_requests=num)
+
+
+def nice_bin(span: float) -> float:
+    """A 1-2-5 bin width giving about 60 bins over ``span`` seconds (1 s when span is 0)."""
+    if not span > 0:
+        return 1.0
+    raw = span / 60
+    base = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if raw <= m * base:
+            return m * base
+    return 10 * base
+
+
+# ----------------------------------------------------------------------------- the driver
+class StepRecorder:
+    """Records every engine step by wrapping ``engine.step`` on the instance (called on the
+    engine thread); ``with`` restores the class's method."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps = StepRecords()
+        self.t0: float | None = None
+
+    def __enter__(self) -> "StepRecorder":
+        self._orig = self.engine.step
+        self.engine.step = self._step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.step
+
+    def _step(self):
+        e = self.engine
+        m = e.metrics
+        steps0, time0, prefill0, prev = m.num_steps, m.step_time, m.num_prefill_tokens, \
+            e.last_outcome
+        outputs = self._orig()
+        if m.num_steps == steps0 or self.t0 is None:  # nothing scheduled: not a step
+            return outputs
+        o = e.last_outcome if e.last_outcome is not prev else None
+        sched = e.scheduler
+        self.steps.append(
+            time=time.perf_counter() - self.t0, step_time=m.step_time - time0,
+            # a prefill-only step has no outcome: count the sequences running after it
+            batch_size=o.batch_size if o is not None else sched.num_running,
+            num_decode=len(o.gammas) if o is not None else 0,
+            gamma_sum=int(o.gammas.sum()) if o is not None else 0,
+            gamma_max=int(o.gammas.max()) if o is not None and len(o.gammas) else 0,
+            num_verified=int(o.num_verified.sum()) if o is not None else 0,
+            num_accepted=int(o.num_accepted.sum()) if o is not None else 0,
+            num_emitted=int(o.num_emitted.sum()) if o is not None else 0,
+            num_prefill_tokens=m.num_prefill_tokens - prefill0,
+            num_running=sched.num_running, num_waiting=sched.num_waiting)
+        return outputs
+
+
+async def drive(aengine, requests: list[wl.BenchRequest], sampling, recorder: StepRecorder,
+                progress: bool = True, desc: str = "serving") -> list[RequestRecord]:
+    """Send each request at its arrival time, consume its stream, and record the timeline.
+    ``sampling(request) -> SamplingParams``."""
+    from tqdm.auto import tqdm
+
+    records = [RequestRecord(request_id=r.request_id, arrival=r.arrival,
+                             prompt_tokens=len(r.prompt_token_ids), max_tokens=r.max_tokens,
+                             category=r.category) for r in requests]
+    bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not progress,
+               file=sys.stderr)
+    state = {"tokens": 0}
+    t0 = time.perf_counter()
+    recorder.t0 = t0
+
+    async def one(req: wl.BenchRequest, rec: RequestRecord) -> None:
+        delay = t0 + req.arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec.submit = time.perf_counter() - t0
+        try:
+            async for out in aengine.generate(req.prompt_token_ids, sampling(req),
+                                              req.request_id):
+                now = time.perf_counter() - t0
+                n = len(out.delta_token_ids)
+                if n or out.finished:
+                    rec.chunk_times.append(now)
+                    rec.chunk_tokens.append(n)
+                if out.finished:
+                    rec.finish, rec.finish_reason = now, out.finish_reason
+                    s = out.spec
+                    rec.num_drafted, rec.num_accepted = s.num_drafted, s.num_accepted
+                    rec.num_spec_steps, rec.num_steps = s.num_spec_steps, s.num_steps
+        except Exception as e:  # recorded and counted as failed, the run goes on
+            rec.error = f"{type(e).__name__}: {e}"
+        state["tokens"] += rec.num_output_tokens
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{state['tokens'] / max(time.perf_counter() - t0, 1e-9):.1f}")
+
+    try:
+        await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records)))
+    finally:
+        bar.close()
+    return records
+
+
+def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requests,
+               engine=None) -> dict:
+    """Run one policy over the requests on a fresh engine (or ``engine``, already built and
+    warmed up for this policy); returns the run's results."""
+    from jspec.async_engine import AsyncLLMEngine
+    from jspec.llm import build_engine
+    from jspec.sampling_params import SamplingParams
+
+    compile_s = 0.0
+    if engine is None:
+        engine = build_engine(args.target, args.draft, policy=policy["name"],
+                              policy_options=policy["options"], warmup=False, **engine_kwargs)
+        t = time.perf_counter()
+        engine.warmup()
+        compile_s = time.perf_counter() - t
+    for r in requests:  # cheap, and a failure here is a harness bug, not a benchmark result
+        engine.validate_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens))
+
+    def sampling(req: wl.BenchRequest) -> SamplingParams:
+        return SamplingParams(max_tokens=req.max_tokens, temperature=args.temperature,
+                              ignore_eos=args.ignore_eos,
+                              seed=(args.seed * 1_000_003 + int(req.request_id[4:])) % 2**31)
+
+    aengine = AsyncLLMEngine(engine)
+    start = time.perf_counter()
+    try:
+        with StepRecorder(engine) as recorder:
+            records = asyncio.run(drive(aengine, requests, sampling, recorder,
+                                        progress=not args.no_progress, desc=policy["label"]))
+    finally:
+        aengine.shutdown()
+    wall = time.perf_counter() - start
+    if aengine.error is not None:
+        raise RuntimeError(f"the engine failed under policy {policy['label']!r}") \
+            from aengine.error
+    tpot_slo = args.tpot_slo_ms / 1e3 if args.tpot_slo_ms is not None else None
+    ttft_slo = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms is not None else None
+    metrics = compute_metrics(records, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
+    em = engine.metrics.as_dict()
+    hist = em["gamma_histogram"]
+    seq_steps = sum(hist)
+    metrics["mean_gamma"] = sum(g * c for g, c in enumerate(hist)) / seq_steps \
+        if seq_steps else 0.0
+    metrics["num_engine_steps"] = em["num_steps"]
+    metrics["num_preemptions"] = em["num_preemptions"]
+    metrics["policy_time_per_step_s"] = em["policy_time_per_step"]
+    result = {
+        "label": policy["label"], "policy": policy["name"],
+        "policy_options": {k: str(v) if not isinstance(v, (int, float, bool)) else v
+                           for k, v in policy["options"].items()},
+        "compile_s": compile_s, "wall_s": wall,
+        "metrics": metrics,
+        "submit_lag_s": summarize(r.submit - r.arrival for r in records
+                                  if r.submit is not None),
+        "gamma_by_batch": gamma_by_batch(em["gamma_histogram_by_batch"]),
+        "engine_metrics": {k: v for k, v in em.items() if k != "gamma_histogram_by_batch"},
+        "time_series": time_series(records, recorder.steps, args.bin_seconds_resolved),
+    }
+    if not args.no_requests:
+        result["steps"] = recorder.steps.as_dict()
+        result["requests"] = [r.as_dict() for r in records]
+    return result
+
+
+# ----------------------------------------------------------------------------- reporting
+def comparison(runs: list[dict]) -> list[dict]:
+    """Per run: throughput relative to the first run and to the best fixed choice (off /
+    static) of the same invocation, p90 TPOT relative to that best fixed run's."""
+    fixed = [r for r in runs if r["policy"] in ("off", "static")]
+    best = max(fixed, key=lambda r: r["metrics"]["output_tokens_per_s"]) if fixed else None
+    first = runs[0]["metrics"]["output_tokens_per_s"] if runs else 0.0
+    rows = []
+    for r in runs:
+        m = r["metrics"]
+        tps = m["output_tokens_per_s"]
+        row = {"label": r["label"], "output_tokens_per_s": tps,
+               "vs_first": tps / first if first else None,
+               "best_fixed": best["label"] if best else None,
+               "vs_best_fixed": None, "tpot_p90_vs_best_fixed": None}
+        if best is not None:
+            b = best["metrics"]
+            if b["output_tokens_per_s"]:
+                row["vs_best_fixed"] = tps / b["output_tokens_per_s"]
+            if m["tpot_s"]["p90"] is not None and b["tpot_s"]["p90"]:
+                row["tpot_p90_vs_best_fixed"] = m["tpot_s"]["p90"] / b["tpot_s"]["p90"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(x, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def format_table(runs: list[dict], rows: list[dict]) -> str:
+    head = (f"{'policy':<22} {'tok/s':>8} {'×first':>7} {'×bestfix':>8} {'goodput':>8} "
+            f"{'SLO%':>5} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} {'p90':>8} {'ITL p90':>8} "
+            f"{'accept':>6} {'acc.len':>7} {'mean γ':>6}")
+    lines = [head, "-" * len(head)]
+    for r, c in zip(runs, rows):
+        m = r["metrics"]
+        lines.append(
+            f"{r['label'][:22]:<22} {m['output_tokens_per_s']:>8.1f} "
+            f"{_fmt(c['vs_first'], '.3f'):>7} {_fmt(c['vs_best_fixed'], '.3f'):>8} "
+            f"{m['goodput_requests_per_s']:>8.3f} {100 * m['slo_attainment']:>5.1f} "
+            f"{_fmt(m['ttft_s']['p50'], '.1f', 1e3):>9} {_fmt(m['ttft_s']['p90'], '.1f', 1e3):>8} "
+            f"{_fmt(m['tpot_s']['p50'], '.2f', 1e3):>9} {_fmt(m['tpot_s']['p90'], '.2f', 1e3):>8} "
+            f"{_fmt(m['itl_s']['p90'], '.2f', 1e3):>8} {m['acceptance_rate']:>6.3f} "
+            f"{m['mean_accepted_length']:>7.2f} {m['mean_gamma']:>6.2f}")
+    lines.append("(latencies in ms; goodput = requests/s meeting the SLO; ×bestfix = "
+                 "throughput / best of off and static in this run)")
+    return "\n".join(lines)
+
+
+def _device() -> dict:
+    import jax
+
+    d = jax.devices()[0]
+    return {"platform": d.platform, "kind": getattr(d, "device_kind", str(d)),
+            "count": jax.device_count()}
+
+
+def run(args: argparse.Namespace) -> int:
+    # -- everything checkable without models, before loading anything
+    if (args.target is None) != (args.draft is None):
+        raise ValueError("give both --target and --draft, or neither for the built-in pair")
+    if args.num_speculative_tokens < 0:
+        raise ValueError(f"--num-speculative-tokens must be >= 0, got "
+                         f"{args.num_speculative_tokens}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    for name in ("tpot_slo_ms", "ttft_slo_ms", "bin_seconds"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    from jspec.sampling_params import SamplingParams
+
+    SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # checks them
+    policies = parse_policies(args.policy, args.policy_option, args.num_speculative_tokens)
+    arrivals = build_arrivals(args)
+    if args.workload == "code" and args.workload_file:
+        raise ValueError("--workload code reads the held-out corpus split; --workload-file is "
+                         "for spec-bench, alpaca and sharegpt")
+    prompts = wl.load_workload(args.workload, args.workload_file)
+    if args.plot:
+        from jspec.bench.plots import require_matplotlib
+
+        require_matplotlib()
+    span = float(arrivals.times[-1]) if len(arrivals) else 0.0
+    args.bin_seconds_resolved = args.bin_seconds or nice_bin(span)
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from jspec.llm import build_engine
+
+    engine_kwargs = {"num_speculative_tokens": args.num_speculative_tokens, "dtype": args.dtype,
+                     "max_num_seqs": args.max_num_seqs}
+    for name in ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                 "min_token_bucket"):
+        if getattr(args, name) is not None:
+            engine_kwargs[name] = getattr(args, name)
+    if args.target is None:
+        from jspec.default_models import describe_default_pair
+
+        print(f"using {describe_default_pair()}", file=sys.stderr)
+    # the first engine's tokenizer and context limit shape the requests every policy gets
+    first = build_engine(args.target, args.draft, policy=policies[0]["name"],
+                         policy_options=policies[0]["options"], warmup=False, **engine_kwargs)
+    max_model_len = first.rc.max_model_len
+    from policies.profile import model_signature
+
+    model_info = {"target_model": model_signature(first.target.cfg),
+                  "draft_model": model_signature(first.draft.cfg) if first.draft else None,
+                  "kv_dtype": str(first.runner.kv_dtype)}
+    requests = wl.build_requests(
+        prompts, first.tokenizer.encode, arrivals.times, max_model_len=max_model_len,
+        max_tokens=args.max_tokens, seed=args.seed, context_tokens=arrivals.context_tokens,
+        generated_tokens=arrivals.generated_tokens, context_scale=args.context_scale,
+        max_prompt_tokens=args.max_prompt_tokens)
+    prompt_lens = [len(r.prompt_token_ids) for r in requests]
+    output_lens = [r.max_tokens for r in requests]
+    print(f"{len(requests)} requests ({arrivals.label}, {args.workload} prompts), "
+          f"{sum(prompt_lens)} prompt tokens, {sum(output_lens)} output tokens budgeted; "
+          f"policies: {', '.join(p['label'] for p in policies)}", file=sys.stderr)
+
+    runs = []
+    for i, policy in enumerate(policies):
+        engine = None
+        if i == 0:
+            t = time.perf_counter()
+            first.warmup()
+            engine, first = first, None
+            compile_s = time.perf_counter() - t
+        result = run_policy(policy, args, engine_kwargs, requests, engine=engine)
+        if i == 0:
+            result["compile_s"] = compile_s
+        runs.append(result)
+        m = result["metrics"]
+        print(f"{policy['label']}: {m['output_tokens_per_s']:.1f} tok/s, "
+              f"TPOT p90 {_fmt(m['tpot_s']['p90'], '.2f', 1e3)} ms, "
+              f"acceptance {m['acceptance_rate']:.3f} (compiled in {result['compile_s']:.1f} s, "
+              f"ran {result['wall_s']:.1f} s, send lag p99 "
+              f"{_fmt(result['submit_lag_s']['p99'], '.1f', 1e3)} ms)", file=sys.stderr)
+        # the driver shares the interpreter with the engine thread; a late send is charged to
+        # the request's latency (arrival = scheduled time), so say when that was material
+        lag = result["submit_lag_s"]["p99"]
+        if lag is not None and lag > 0.05:
+            print(f"warning: under {policy['label']} the driver sent requests late (p99 "
+                  f"{lag * 1e3:.0f} ms after their arrival time; counted in their latency)",
+                  file=sys.stderr)
+    rows = comparison(runs)
+    print(format_table(runs, rows))
+
+    results = {
+        "format": FORMAT,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": ["jspec", "bench", "serving", *sys.argv[3:]] if sys.argv[1:3] == [
+            "bench", "serving"] else None,
+        "config": {"target": args.target or "default pair", "draft": args.draft or
+                   "default pair", **model_info, **engine_kwargs,
+                   "max_model_len": max_model_len,
+                   "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+                   "seed": args.seed, "device": _device()},
+        "workload": {"name": args.workload,
+                     "path": None if args.workload == "code" else
+                     str(args.workload_file or wl.default_path(args.workload)),
+                     "pool_size": len(prompts), "max_tokens": args.max_tokens,
+                     "max_prompt_tokens": args.max_prompt_tokens,
+                     "context_scale": args.context_scale,
+                     "prompt_tokens": summarize(prompt_lens),
+                     "output_tokens_budget": summarize(output_lens)},
+        "arrivals": arrivals.describe(),
+        "slo": {"tpot_s": args.tpot_slo_ms / 1e3,
+                "ttft_s": args.ttft_slo_ms / 1e3 if args.ttft_slo_ms is not None else None},
+        "bin_seconds": args.bin_seconds_resolved,
+        "runs": runs,
+        "comparison": rows,
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=None, separators=(",", ":"), default=_json_default)
+        print(f"wrote {args.out}", file=sys.stderr)
+    if args.plot:
+        from jspec.bench.plots import plot_results
+
+        for path in plot_results([results], args.plot, names=[
+                os.path.splitext(os.path.basename(args.out))[0] if args.out else "serving"]):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _json_default(o):
+    import numpy as np
+
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"{type(o).__name__} is not JSON serializable")

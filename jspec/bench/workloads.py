@@ -1,0 +1,277 @@
+"""Prompt sources for the serving benchmarks, and how prompt/output lengths are fitted to a model.
+
+Sources (``load_workload(name, path)``; each file's path is an argument whose default is the copy
+in the shared data directory, ``<repo>/../shared/data`` or ``$JSPEC_DATA_DIR``; see that
+directory's README for provenance and licences):
+
+* ``spec-bench``: Spec-Bench ``question.jsonl`` (``spec_bench_question.jsonl``), the first turn
+  of each question; the category (writing, coding, translation, ...) is kept.
+* ``alpaca``: the Alpaca JSON sample (``alpaca_data_1k_sample.json``): the instruction, then a
+  blank line and the input when the input is not empty.
+* ``sharegpt``: the ShareGPT JSON subset (``ShareGPT_V3_filtered_500.json``): the first turn
+  whose ``from`` is ``human``.
+* ``code``: signatures + docstrings of the functions in the default pair's held-out split of the
+  stdlib corpus (``models.corpus.heldout_function_prompts``); no file.
+
+A missing or malformed file is a ``ValueError`` that names the file (and the line or record).
+
+Sampling is deterministic: ``sample_prompts(prompts, n, seed)`` walks seeded permutations of the
+pool, a fresh one each time the pool is exhausted, so n larger than the pool repeats prompts
+only after using every one.
+
+Length rule (``fit_lengths``), with L = the engine's ``max_model_len``:
+
+1. output budget o = min(requested output, ``max_tokens``, L − 1), at least 1. The requested
+   output is ``max_tokens`` for dataset prompts and the trace's GeneratedTokens for a trace;
+2. prompt length p = min(wanted prompt length, ``max_prompt_tokens`` if given, L − o), at
+   least 1. The wanted length is the prompt's own token count for dataset prompts, and
+   round(ContextTokens × ``context_scale``) for a trace;
+3. a prompt longer than p keeps its first p tokens (the instruction / signature comes first);
+   a trace request asking for more tokens than its prompt has continues with the next prompts of
+   the sampled order, concatenated token ids, until it has p tokens.
+
+So p + o ≤ L always: the engine never clips a request's output, and the output budget wins over
+the prompt when both do not fit (serving cost is dominated by decoding, which is what the
+benchmarks compare).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+DATA_FILES = {
+    "spec-bench": "spec_bench_question.jsonl",
+    "alpaca": "alpaca_data_1k_sample.json",
+    "sharegpt": "ShareGPT_V3_filtered_500.json",
+}
+WORKLOADS = ("code", "spec-bench", "alpaca", "sharegpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str
+    category: str
+    source: str  # workload name
+    index: int  # position in its file (or in the held-out prompt list)
+
+
+@dataclasses.dataclass
+class BenchRequest:
+    """One request of a benchmark: what to send and when (seconds after the start)."""
+
+    request_id: str
+    arrival: float
+    prompt_token_ids: list[int]
+    max_tokens: int
+    category: str
+    prompt_index: int  # index of its (first) prompt in the workload
+
+
+def data_dir() -> Path:
+    """``$JSPEC_DATA_DIR`` if set, else ``shared/data`` beside the repository checkout."""
+    env = os.environ.get("JSPEC_DATA_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def default_path(workload: str) -> Path:
+    if workload not in DATA_FILES:
+        raise ValueError(f"workload {workload!r} has no data file; file workloads: "
+                         f"{', '.join(DATA_FILES)}")
+    return data_dir() / DATA_FILES[workload]
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{what} file {str(path)!r} not found (set JSPEC_DATA_DIR or pass the "
+                         f"path)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {what} file {str(path)!r}: {e}") from None
+
+
+def _load_json_array(path: Path, what: str) -> list:
+    text = _read_text(path, what)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} file {str(path)!r} is not JSON (line {e.lineno}: {e.msg})"
+                         ) from None
+    if not isinstance(data, list):
+        raise ValueError(f"{what} file {str(path)!r} must hold a JSON array, got "
+                         f"{type(data).__name__}")
+    return data
+
+
+def _nonempty_str(value, path: Path, where: str, field: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{str(path)!r} {where}: {field} must be a non-empty string")
+    return value
+
+
+def load_spec_bench(path: str | os.PathLike | None = None) -> list[Prompt]:
+    """Spec-Bench questions: the first turn of each, with its category."""
+    path = Path(path) if path is not None else default_path("spec-bench")
+    prompts = []
+    for number, line in enumerate(_read_text(path, "Spec-Bench").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{str(path)!r} line {number}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("turns"), list) \
+                or not row["turns"]:
+            raise ValueError(f"{str(path)!r} line {number}: expected an object with a non-empty "
+                             f"\"turns\" list")
+        text = _nonempty_str(row["turns"][0], path, f"line {number}", "turns[0]")
+        category = row.get("category")
+        prompts.append(Prompt(text, category if isinstance(category, str) else "unknown",
+                              "spec-bench", len(prompts)))
+    if not prompts:
+        raise ValueError(f"Spec-Bench file {str(path)!r} holds no questions")
+    return prompts
+
+
+def load_alpaca(path: str | os.PathLike | None = None) -> list[Prompt]:
+    """Alpaca records: instruction, plus a blank line and the input when there is one."""
+    path = Path(path) if path is not None else default_path("alpaca")
+    prompts = []
+    for i, row in enumerate(_load_json_array(path, "Alpaca")):
+        if not isinstance(row, dict):
+            raise ValueError(f"{str(path)!r} record {i}: expected an object")
+        text = _nonempty_str(row.get("instruction"), path, f"record {i}", "instruction")
+        extra = row.get("input", "")
+        if not isinstance(extra, str):
+            raise ValueError(f"{str(path)!r} record {i}: input must be a string")
+        if extra.strip():
+            text = f"{text}\n\n{extra}"
+        prompts.append(Prompt(text, "alpaca", "alpaca", i))
+    if not prompts:
+        raise ValueError(f"Alpaca file {str(path)!r} holds no records")
+    return prompts
+
+
+def load_sharegpt(path: str | os.PathLike | None = None) -> list[Prompt]:
+    """ShareGPT conversations: the first human turn of each (entries without one are skipped)."""
+    path = Path(path) if path is not None else default_path("sharegpt")
+    prompts = []
+    for i, row in enumerate(_load_json_array(path, "ShareGPT")):
+        turns = row.get("conversations") if isinstance(row, dict) else None
+        if not isinstance(turns, list):
+            raise ValueError(f"{str(path)!r} record {i}: expected an object with a "
+                             f"\"conversations\" list")
+        for turn in turns:
+            if isinstance(turn, dict) and turn.get("from") == "human":
+                text = _nonempty_str(turn.get("value"), path, f"record {i}", "value")
+                prompts.append(Prompt(text, "sharegpt", "sharegpt", i))
+                break
+    if not prompts:
+        raise ValueError(f"ShareGPT file {str(path)!r} holds no human turns")
+    return prompts
+
+
+def load_code(limit: int | None = None) -> list[Prompt]:
+    from models.corpus import heldout_function_prompts
+
+    texts = heldout_function_prompts(limit)
+    if not texts:
+        raise ValueError("no held-out function prompts found (is the stdlib source available?)")
+    return [Prompt(t, "code", "code", i) for i, t in enumerate(texts)]
+
+
+def load_workload(name: str, path: str | os.PathLike | None = None) -> list[Prompt]:
+    if name == "code":
+        if path is not None:
+            raise ValueError("the code workload reads the held-out corpus split, not a file")
+        return load_code()
+    loaders = {"spec-bench": load_spec_bench, "alpaca": load_alpaca, "sharegpt": load_sharegpt}
+    if name not in loaders:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    return loaders[name](path)
+
+
+def sample_order(pool_size: int, n: int, seed: int) -> np.ndarray:
+    """n indices into a pool: consecutive seeded permutations, so every prompt is used once
+    before any repeats."""
+    if pool_size < 1:
+        raise ValueError("cannot sample from an empty prompt pool")
+    rng = np.random.default_rng(seed)
+    chunks, have = [], 0
+    while have < n:
+        chunks.append(rng.permutation(pool_size))
+        have += pool_size
+    return np.concatenate(chunks)[:n] if chunks else np.zeros(0, np.int64)
+
+
+def sample_prompts(prompts: Sequence[Prompt], n: int, seed: int) -> list[Prompt]:
+    return [prompts[i] for i in sample_order(len(prompts), n, seed)]
+
+
+def fit_lengths(prompt_len: int, output_len: int, max_model_len: int, max_tokens: int,
+                max_prompt_tokens: int | None = None) -> tuple[int, int]:
+    """(prompt tokens, output tokens) for a request, by the rule in the module docstring."""
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    out = max(1, min(int(output_len), max_tokens, max_model_len - 1))
+    limit = max_model_len - out
+    if max_prompt_tokens is not None:
+        limit = min(limit, max_prompt_tokens)
+    return max(1, min(int(prompt_len), limit)), out
+
+
+def build_requests(prompts: Sequence[Prompt], encode: Callable[[str], list[int]],
+                   arrival_times: np.ndarray, *, max_model_len: int, max_tokens: int,
+                   seed: int = 0, context_tokens: np.ndarray | None = None,
+                   generated_tokens: np.ndarray | None = None, context_scale: float = 1.0,
+                   max_prompt_tokens: int | None = None) -> list[BenchRequest]:
+    """One request per arrival, prompts drawn by ``sample_order``, lengths by ``fit_lengths``.
+
+    With ``context_tokens`` / ``generated_tokens`` (a trace) the prompt is built to that many
+    tokens (times ``context_scale``) and the output budget is the trace's; without them each
+    prompt keeps its own length and every output budget is ``max_tokens``."""
+    if context_scale <= 0:
+        raise ValueError(f"context_scale must be > 0, got {context_scale}")
+    n = len(arrival_times)
+    order = sample_order(len(prompts), n, seed)
+    cache: dict[int, list[int]] = {}
+
+    def tokens(i: int) -> list[int]:
+        if i not in cache:
+            ids = list(encode(prompts[i].text))
+            if not ids:
+                raise ValueError(f"{prompts[i].source} prompt {prompts[i].index} encodes to no "
+                                 f"tokens")
+            cache[i] = ids
+        return cache[i]
+
+    requests = []
+    for k in range(n):
+        first = int(order[k])
+        ids = tokens(first)
+        if context_tokens is not None:
+            wanted = max(1, int(round(float(context_tokens[k]) * context_scale)))
+        else:
+            wanted = len(ids)
+        want_out = int(generated_tokens[k]) if generated_tokens is not None else max_tokens
+        p, o = fit_lengths(wanted, want_out, max_model_len, max_tokens, max_prompt_tokens)
+        ids = list(ids[:p])
+        nxt = k + 1
+        while len(ids) < p:  # a trace asks for more context than this prompt has
+            ids += tokens(int(order[nxt % n]))[:p - len(ids)]
+            nxt += 1
+        requests.append(BenchRequest(request_id=f"req-{k}", arrival=float(arrival_times[k]),
+                                     prompt_token_ids=ids, max_tokens=o,
+                                     category=prompts[first].category, prompt_index=first))
+    return requests

@@ -1,0 +1,157 @@
+"""Command-line pieces shared by the commands that build an engine (`jspec generate`, `jspec
+serve`): the model, speculation and engine argument groups, their checks, and the compile
+warm-up with a progress bar. Nothing here imports JAX at module import, so `jspec --help` stays
+fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Callable
+
+# EngineConfig fields that map one-to-one onto `--flag` options; unset flags keep the config's
+# default (or the value a command derives itself, like generate's max_num_seqs).
+ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                        "min_token_bucket", "kernel_backend")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", metavar="DIR",
+                        help="target HF checkpoint directory (llama / qwen2 / mistral); "
+                             "default: the built-in default pair")
+    models.add_argument("--draft", metavar="DIR",
+                        help="draft checkpoint directory sharing the target's vocabulary; "
+                             "with --target but no --draft, decoding is plain (no speculation)")
+    models.add_argument("--tokenizer", metavar="DIR",
+                        help="tokenizer directory (default: the target's)")
+    models.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="parameter and KV-cache dtype; auto = float32 on CPU, bfloat16 on "
+                             "accelerators (default: %(default)s)")
+
+
+def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+    spec = parser.add_argument_group("speculation")
+    spec.add_argument("--policy", default="static",
+                      help="speculation policy: static (fixed γ), off, nightjar, dsde, adaspec, "
+                           "dsd, ucb, adaedl, heuristic (default: %(default)s)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="N",
+                      help="largest number of draft tokens per step, Γmax (default: %(default)s)")
+    spec.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="policy option, repeatable (e.g. gamma=2 for static, "
+                           "profile=PROFILE.json for adaspec/dsd)")
+    spec.add_argument("--policy-state", metavar="FILE",
+                      help="load the policy's learned state from FILE if it exists, and save "
+                           "it there at the end")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
+                         ) -> argparse._ArgumentGroup:
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help=max_num_seqs_help)
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit (default: the target's, at most 4096)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="target tokens per step (default: derived)")
+    engine.add_argument("--block-size", type=int, default=None,
+                        help="KV block size in tokens (default: 16)")
+    engine.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV pool size in blocks (default: max-num-seqs full sequences)")
+    engine.add_argument("--min-token-bucket", type=int, default=None,
+                        help="smallest token-count shape bucket (default: 8)")
+    engine.add_argument("--kernel-backend", choices=["auto", "pallas", "interpret", "reference"],
+                        default=None,
+                        help="attention / KV-migration kernels: auto = Pallas on a GPU where they "
+                             "compile, else the jnp reference (default: auto)")
+    engine.add_argument("--no-warmup", action="store_true",
+                        help="skip compiling every shape bucket up front (first steps then "
+                             "compile as they go)")
+    engine.add_argument("--no-progress", action="store_true",
+                        help="no progress bars on stderr")
+    return engine
+
+
+def parse_option_value(text: str) -> Any:
+    """``2`` -> int, ``0.5`` -> float, ``true``/``false`` -> bool, ``none`` -> None, else str."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_policy_options(items: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--policy-option expects KEY=VALUE, got {item!r}")
+        options[key.replace("-", "_")] = parse_option_value(value)
+    return options
+
+
+def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything about the models and the policy that is checkable without loading anything.
+    Returns the parsed policy options."""
+    from policies import make_policy
+
+    if args.draft is not None and args.target is None:
+        raise ValueError("--draft needs --target (give both, or neither for the default pair)")
+    policy_options = parse_policy_options(args.policy_option)
+    if args.num_speculative_tokens < 0:
+        raise ValueError(f"--num-speculative-tokens must be >= 0, got "
+                         f"{args.num_speculative_tokens}")
+    make_policy(args.policy, args.num_speculative_tokens, **policy_options)  # name and options
+    return policy_options
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (unset ones: EngineConfig's default)."""
+    return {name: getattr(args, name) for name in ENGINE_OPTION_FIELDS
+            if getattr(args, name) is not None}
+
+
+def describe_models(args: argparse.Namespace) -> None:
+    """One stderr note on which models run when that is not obvious from the flags."""
+    if args.target is None:
+        from jspec.default_models import describe_default_pair
+
+        print(f"using {describe_default_pair()}", file=sys.stderr)
+    elif args.draft is None:
+        print("no --draft: plain autoregressive decoding", file=sys.stderr)
+
+
+class WarmupCancelled(Exception):
+    """Raised between two shape buckets when a warm-up is asked to stop (a server told to shut
+    down while it compiles: one XLA compilation cannot be interrupted, but the next need not
+    start)."""
+
+
+def warmup(engine, progress: bool, should_stop: Callable[[], bool] | None = None) -> None:
+    """Compile every shape bucket of an LLMEngine, with a progress bar on stderr."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    bar = tqdm(desc="compile", unit="bucket", disable=not progress, leave=False)
+
+    def step(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        if should_stop is not None and done < total and should_stop():
+            raise WarmupCancelled(f"warm-up stopped after {done} of {total} shape buckets")
+
+    try:
+        n = engine.warmup(step)
+    finally:
+        bar.close()
+    if progress:
+        print(f"compiled {n} shape buckets in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)

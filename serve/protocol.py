@@ -1,0 +1,408 @@
+"""The OpenAI wire format: request bodies checked field by field into typed requests, and the
+response / stream-chunk / error bodies.
+
+Every rejection is an ``APIError`` that becomes an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}``; the message names the offending field and
+``param`` holds its name, so a client can point at the field without parsing prose. Range rules
+for sampling parameters live in one place, ``jspec.SamplingParams``; this module only checks
+JSON types and which fields exist, then maps SamplingParams' ValueError back to its field.
+
+Unknown fields are refused (as OpenAI does): a misspelt ``max_token`` silently running with the
+default would be worse than a 400. Known OpenAI fields that the engine cannot honour are accepted
+only at their neutral value (``n=1``, ``presence_penalty=0``, ``logprobs=null`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+from jspec.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style JSON body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None
+               ) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ----------------------------------------------------------------------------- body parsing
+def parse_json_body(raw: bytes) -> dict:
+    if not raw.strip():
+        raise invalid(None, "the request body is empty; expected a JSON object", "invalid_json")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise invalid(None, "the request body is not UTF-8 text", "invalid_json") from None
+    except json.JSONDecodeError as e:
+        raise invalid(None, f"the request body is not valid JSON: {e.msg} at line {e.lineno} "
+                            f"column {e.colno}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid(None, f"the request body must be a JSON object, got "
+                            f"{_json_type(body)}", "invalid_json")
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _type_error(name: str, expected: str, value: Any) -> APIError:
+    return invalid(name, f"{name} must be {expected}, got {_json_type(value)} "
+                         f"({json.dumps(value)[:80]})", "invalid_type")
+
+
+def _int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _type_error(name, "an integer", value)
+    return value
+
+
+def _number(name: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _type_error(name, "a number", value)
+    if not math.isfinite(value):  # json.loads accepts NaN and Infinity
+        raise invalid(name, f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return value
+
+
+def _neutral(name: str, value: Any, allowed: tuple, what: str) -> None:
+    """Accept a known OpenAI field only at a value that changes nothing here (its JSON type is
+    checked before, so ``value in allowed`` cannot confuse a boolean with a number)."""
+    if value is None or value in allowed:
+        return
+    raise invalid(name, f"{name} is not supported by this server ({what}); got "
+                        f"{json.dumps(value)[:80]}", "unsupported_parameter")
+
+
+# Fields shared by /v1/completions and /v1/chat/completions, and how each is read.
+# Extensions beyond OpenAI's schema, as in vLLM: top_k, stop_token_ids, ignore_eos.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                    "ignore_eos")
+_COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "n", "user",
+                  "presence_penalty", "frequency_penalty", "logit_bias", *_SAMPLING_FIELDS}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs",
+                                 "top_logprobs", "response_format", "tools", "tool_choice",
+                                 "parallel_tool_calls"}
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """A checked request: what to generate for, and how."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompts: list  # completion: str or token-id lists; chat: one list of messages
+    max_tokens: int | None  # None: the endpoint's default (see app)
+    max_tokens_param: str  # the field max_tokens came from (chat also takes max_completion_tokens)
+    sampling: dict[str, Any]  # SamplingParams fields other than max_tokens
+    stream: bool
+    include_usage: bool
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise invalid(unknown[0], f"unrecognized request argument supplied: {unknown[0]}",
+                      "unknown_parameter")
+
+
+def _required(body: dict, name: str) -> Any:
+    if name not in body or body[name] is None:
+        raise invalid(name, f"missing required field '{name}'", "missing_required_parameter")
+    return body[name]
+
+
+def _common(body: dict) -> tuple[str, dict, bool, bool]:
+    model = _str("model", _required(body, "model"))
+    sampling: dict[str, Any] = {}
+    if body.get("temperature") is not None:
+        sampling["temperature"] = _number("temperature", body["temperature"])
+    if body.get("top_p") is not None:
+        sampling["top_p"] = _number("top_p", body["top_p"])
+    if body.get("top_k") is not None:
+        sampling["top_k"] = _int("top_k", body["top_k"])
+    if body.get("seed") is not None:
+        sampling["seed"] = _int("seed", body["seed"])
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _type_error("stop", "a string or an array of strings", body["stop"])
+        sampling["stop"] = tuple(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in ids):
+            raise _type_error("stop_token_ids", "an array of integers", ids)
+        sampling["stop_token_ids"] = tuple(ids)
+    if body.get("ignore_eos") is not None:
+        sampling["ignore_eos"] = _bool("ignore_eos", body["ignore_eos"])
+    stream = _bool("stream", body["stream"]) if body.get("stream") is not None else False
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _type_error("stream_options", "an object", options)
+        if not stream:
+            raise invalid("stream_options", "stream_options is only allowed with stream: true")
+        extra = sorted(set(options) - {"include_usage"})
+        if extra:
+            raise invalid("stream_options", f"unrecognized stream_options field: {extra[0]}",
+                          "unknown_parameter")
+        if options.get("include_usage") is not None:
+            include_usage = _bool("stream_options.include_usage", options["include_usage"])
+    if body.get("n") is not None and _int("n", body["n"]) != 1:
+        raise invalid("n", f"n must be 1 (one choice per prompt), got {body['n']}",
+                      "unsupported_parameter")
+    if body.get("user") is not None:
+        _str("user", body["user"])
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) is not None:
+            _number(name, body[name])
+            _neutral(name, body[name], (0,), "penalties would change the target distribution")
+    if body.get("logit_bias") is not None:
+        if not isinstance(body["logit_bias"], dict):
+            raise _type_error("logit_bias", "an object", body["logit_bias"])
+        _neutral("logit_bias", body["logit_bias"] or None, (), "no logit biasing")
+    return model, sampling, stream, include_usage
+
+
+def _max_tokens(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    value = _int(name, value)
+    if value < 1:
+        raise invalid(name, f"{name} must be >= 1, got {value}")
+    return value
+
+
+def parse_completion_request(body: dict) -> GenerationRequest:
+    _check_fields(body, _COMPLETION_FIELDS)
+    model, sampling, stream, include_usage = _common(body)
+    prompt = _required(body, "prompt")
+    prompts = _prompts(prompt)
+    if body.get("echo") is not None:
+        _neutral("echo", _bool("echo", body["echo"]), (False,), "the prompt is not echoed")
+    if body.get("logprobs") is not None:
+        _neutral("logprobs", _int("logprobs", body["logprobs"]), (0,), "no log-probabilities")
+    if body.get("best_of") is not None:
+        _neutral("best_of", _int("best_of", body["best_of"]), (1,), "one sample per prompt")
+    if body.get("suffix") is not None:
+        _neutral("suffix", _str("suffix", body["suffix"]) or None, (), "no insertion")
+    return GenerationRequest("completion", model, prompts,
+                             _max_tokens("max_tokens", body.get("max_tokens")), "max_tokens",
+                             sampling, stream, include_usage)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(prompt: Any) -> list:
+    """OpenAI's prompt forms: a string, an array of token ids, or an array of either (a batch:
+    one choice per prompt, ``index`` = position in the array)."""
+    expected = "a string, an array of token ids, or an array of strings / token-id arrays"
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif _is_token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise invalid("prompt", "prompt is empty")
+    else:
+        raise _type_error("prompt", expected, prompt)
+    for p in prompts:
+        if isinstance(p, str) and not p:
+            raise invalid("prompt", "prompt is empty")
+    return prompts
+
+
+def parse_chat_request(body: dict) -> GenerationRequest:
+    _check_fields(body, _CHAT_FIELDS)
+    model, sampling, stream, include_usage = _common(body)
+    messages = _required(body, "messages")
+    if not isinstance(messages, list):
+        raise _type_error("messages", "an array of message objects", messages)
+    if not messages:
+        raise invalid("messages", "messages is empty; give at least one message")
+    checked = [_message(i, m) for i, m in enumerate(messages)]
+    max_tokens = _max_tokens("max_tokens", body.get("max_tokens"))
+    max_completion = _max_tokens("max_completion_tokens", body.get("max_completion_tokens"))
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise invalid("max_completion_tokens", f"max_tokens ({max_tokens}) and "
+                                               f"max_completion_tokens ({max_completion}) "
+                                               f"disagree; give one of them")
+    if body.get("logprobs") is not None:
+        _neutral("logprobs", _bool("logprobs", body["logprobs"]), (False,),
+                 "no log-probabilities")
+    if body.get("top_logprobs") is not None:
+        _neutral("top_logprobs", _int("top_logprobs", body["top_logprobs"]), (0,),
+                 "no log-probabilities")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise _type_error("response_format", "an object", fmt)
+        _neutral("response_format", fmt.get("type"), ("text",), "plain text only")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _type_error("tools", "an array", tools)
+        _neutral("tools", tools or None, (), "no tool calling")
+    if body.get("tool_choice") is not None:
+        _neutral("tool_choice", body["tool_choice"], ("none", "auto"), "no tool calling")
+    if body.get("parallel_tool_calls") is not None:
+        _bool("parallel_tool_calls", body["parallel_tool_calls"])
+    if max_tokens is None and max_completion is not None:
+        return GenerationRequest("chat", model, [checked], max_completion,
+                                 "max_completion_tokens", sampling, stream, include_usage)
+    return GenerationRequest("chat", model, [checked], max_tokens, "max_tokens", sampling,
+                             stream, include_usage)
+
+
+def _message(i: int, message: Any) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise _type_error(where, "an object with 'role' and 'content'", message)
+    role = message.get("role")
+    if role is None:
+        raise invalid(f"{where}.role", f"missing required field '{where}.role'",
+                      "missing_required_parameter")
+    role = _str(f"{where}.role", role)
+    if role not in _CHAT_ROLES:
+        raise invalid(f"{where}.role", f"{where}.role must be one of "
+                                       f"{', '.join(_CHAT_ROLES)}; got {role!r}")
+    if "content" not in message:
+        raise invalid(f"{where}.content", f"missing required field '{where}.content'",
+                      "missing_required_parameter")
+    content = message["content"]
+    if isinstance(content, list):  # content parts: only text parts exist for a text model
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{j}]",
+                              f"{where}.content[{j}] must be a text part "
+                              f"{{\"type\": \"text\", \"text\": ...}}; this model reads text "
+                              f"only", "invalid_type")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None and role == "assistant":
+        content = ""
+    elif not isinstance(content, str):
+        raise _type_error(f"{where}.content", "a string or an array of text parts", content)
+    return {"role": role, "content": content}
+
+
+def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingParams:
+    """SamplingParams from a checked request, with its ValueError mapped to the field: its
+    messages start with the field's name ("top_p must be in (0, 1], got 1.5")."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, **request.sampling)
+    except ValueError as e:
+        message = str(e)
+        first = message.split(" ", 1)[0]
+        param = first if first in ("max_tokens", *_SAMPLING_FIELDS) else None
+        raise invalid(param, message) from None
+
+
+# ----------------------------------------------------------------------------- responses
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(kind: str, request_id: str, created: int, model: str, choices: list[dict],
+                  usage: dict | None = None, chunk: bool = False) -> dict:
+    """A whole response (``chunk=False``) or one stream chunk of a completion or chat request.
+    Stream chunks carry ``usage`` only in the extra last chunk asked for with
+    ``stream_options.include_usage`` (with empty ``choices``), as OpenAI sends it."""
+    if kind == "completion":
+        obj = "text_completion"  # OpenAI names completion chunks the same as the whole
+    else:
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    body = {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def choice_body(kind: str, index: int, text: str, reason: str | None) -> dict:
+    """One choice of a whole response."""
+    if kind == "completion":
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": reason}
+
+
+def chunk_choice(kind: str, index: int, text: str | None, reason: str | None,
+                 first: bool = False) -> dict:
+    """One choice of a stream chunk: completion chunks carry text, chat chunks a delta (the
+    first one with the assistant role, the last one empty with the finish reason)."""
+    if kind == "completion":
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+    delta: dict[str, str] = {}
+    if first:
+        delta["role"] = "assistant"
+    if text is not None:
+        delta["content"] = text
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+def created_now() -> int:
+    return int(time.time())

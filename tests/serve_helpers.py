@@ -1,0 +1,88 @@
+"""Helpers for the server tests: an in-process server over the tiny pair (the shared LLM_KW
+engine shapes, so its executables are the ones the other tests compiled), raw HTTP through
+aiohttp, and reading /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from conftest import LLM_KW
+
+TIMEOUT = 120.0  # seconds; only guards against hangs
+MODEL = "tiny-pair"
+
+
+def start_server(tiny_pair, **options):
+    """A ready BackgroundServer on a free port of 127.0.0.1 (stop it with ``.stop()``)."""
+    from jspec.async_engine import AsyncLLMEngine
+    from serve.app import ServerOptions
+    from serve.server import BackgroundServer
+
+    target, draft = tiny_pair
+
+    def load_engine(cancelled):  # the tests never stop a server while it loads
+        return AsyncLLMEngine.from_pretrained(target, draft, **LLM_KW)
+
+    server = BackgroundServer(ServerOptions(model_name=MODEL, **options), load_engine)
+    server.start()
+    try:
+        server.wait_ready(timeout=600)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+async def _request(method: str, url: str, body=None, headers=None, timeout: float = TIMEOUT):
+    import aiohttp
+
+    data = body if isinstance(body, (bytes, str)) or body is None else None
+    json_body = None if data is not None or body is None else body
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, url, data=data, json=json_body, headers=headers,
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            raw = await resp.read()
+            return resp.status, dict(resp.headers), raw
+
+
+def http(method: str, url: str, body=None, headers=None, timeout: float = TIMEOUT):
+    """(status, headers, body bytes) of one raw HTTP request (``body``: bytes sent as they are,
+    or a JSON-serialisable object)."""
+    return asyncio.run(_request(method, url, body, headers, timeout))
+
+
+def metrics(url: str) -> dict[str, float]:
+    """GET /metrics as {'name{label="v",...}': value} (labels sorted, as written)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, _, raw = http("GET", url + "/metrics")
+    assert status == 200
+    values = {}
+    for family in text_string_to_metric_families(raw.decode()):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def wait_until(predicate, timeout: float = TIMEOUT, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def wait_idle(url: str) -> dict[str, float]:
+    """Until the server holds no request and the engine no KV block; returns /metrics."""
+    def idle():
+        m = metrics(url)
+        done = (m["jspec_server_requests_in_flight"] == 0 and m["jspec_kv_blocks_used"] == 0
+                and m["jspec_num_requests_running"] == 0
+                and m["jspec_num_requests_waiting"] == 0)
+        return m if done else None
+
+    return wait_until(idle, what="the server to become idle with every KV block free")
