@@ -134,6 +134,9 @@ def run(args) -> int:
     params = state["params"]
     if len(held) and held.shape[1] == args.seq_len + 1:
         bs = min(8, len(held))
+        # the same number of training windows as held-out ones, so the two losses compare
+        print(f"train loss: {eval_loss(cfg, params, windows[:len(held)], bs):.4f} "
+              f"({len(held)} windows)")
         print(f"held-out loss: {eval_loss(cfg, params, held, bs):.4f}")
         if teacher is not None:
             agree = greedy_agreement(cfg, params, teacher[0], teacher[1], held, bs)

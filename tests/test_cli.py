@@ -81,14 +81,24 @@ def test_jsonl_prompts_file_and_progress_bars(capsys, tiny_pair, tmp_path):
 
 
 def test_default_pair_and_default_prompt(capsys, monkeypatch, tmp_path):
-    """No --target/--draft: the built-in default pair (built into $JSPEC_CACHE on first use)."""
+    """No --target/--draft: the shipped default pair (models/default_pair), nothing built."""
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
     code, out, err = run_cli(capsys, *llm_cli_args(), "--max-tokens", "4", "--no-progress")
     assert code == 0, err
-    assert "default pair" in err or "fallback pair" in err
+    assert "built-in default pair (models/default_pair" in err
     assert "### prompt 0 " in out and "def fibonacci(n):" in out
     assert len(summaries(out)) == 1
-    assert (tmp_path / "cache" / "tiny-random-pair-v1" / "target" / "config.json").exists()
+    assert not (tmp_path / "cache" / "tiny-random-pair-v1").exists()
+
+
+def test_tiny_random_fallback_when_the_pair_is_missing(monkeypatch, tmp_path):
+    from jspec import default_models
+
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_models, "SHIPPED_DIR", tmp_path / "nowhere")
+    target, draft = default_models.default_pair()
+    assert target.startswith(str(tmp_path / "cache" / "tiny-random-pair-v1"))
+    assert "fallback" in default_models.describe_default_pair()
 
 
 def test_target_without_draft_is_plain_decoding(capsys, tiny_pair):

@@ -123,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"jspec bench kernels: platform {kb.platform()}, kernel backend auto -> {resolved}, "
           f"jax {jax.__version__}, {args.dtype}")
     if "pallas" not in impls:
-        print("  (no GPU kernel here: only the reference"
-              + (" and the interpreted kernel (not a performance number)" if args.interpret
-                 else "") + " are timed)")
+        print("  (no GPU kernel here: " + ("the reference and the interpreted kernel (not a "
+                                            "performance number) are timed)" if args.interpret
+                                            else "only the reference is timed)"))
     copy_mib = 8 if args.small else 256
     peak = copy_bandwidth(copy_mib << 20, args.repeats)
     print(f"device copy bandwidth: {peak / 1e9:.1f} GB/s (read + write of a {copy_mib} MiB "
