@@ -19,7 +19,7 @@ import pytest
 from policies.adaspec import AdaSpecPolicy, cumulative_confidence
 from policies.dsd import DSDPolicy, expected_tokens
 from policies.profile import StepProfile, synthetic_profile
-from tests.policy_helpers import make_outcome, make_stats, make_view
+from policy_helpers import make_outcome, make_stats, make_view
 
 
 def linear_profile() -> StepProfile:

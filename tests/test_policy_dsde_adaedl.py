@@ -11,7 +11,7 @@ import pytest
 from policies.adaedl import AdaEDLPolicy, entropy_threshold, stop_rule
 from policies.dsde import (DSDEPolicy, calibrate_sl_max, predict_sl, scale_factor,
                            weighted_variance, wvir)
-from tests.policy_helpers import make_outcome, make_view
+from policy_helpers import make_outcome, make_view
 
 D = 0.85
 

@@ -14,7 +14,7 @@ import pytest
 from policies.base import batch_bucket
 from policies.nightjar import NightjarPolicy
 from policies.profile import StepProfile, synthetic_profile
-from tests.policy_helpers import SyntheticEnv, make_outcome, make_view
+from policy_helpers import SyntheticEnv, make_outcome, make_view
 
 # goodput (tokens/s) per γ = 0..4: at B = 1 speculation wins and γ = 4 is best; at B = 32 the
 # step is compute-bound, every drafted token costs more than it brings, and γ = 0 is best

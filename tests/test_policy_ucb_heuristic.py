@@ -12,7 +12,7 @@ import pytest
 
 from policies.heuristic import HeuristicPolicy
 from policies.ucb import UCBPolicy
-from tests.policy_helpers import SyntheticEnv, make_outcome, make_view
+from policy_helpers import SyntheticEnv, make_outcome, make_view
 
 TABLE = {1: [100, 140, 165, 180, 190], 32: [1000, 850, 750, 650, 600]}
 
