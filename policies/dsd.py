@@ -75,9 +75,9 @@ class DSDPolicy(Policy):
         """Predicted goodput n·E(γ)/T(γ) for γ = 0..max_gamma."""
         batch = max(view.batch_size, view.num_decode, 1)
         ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
-        return np.array([view.num_decode * expected_tokens(self.alpha, g)
-                         / self.profile.step_time(batch, g, ctx)
-                         for g in range(self.max_gamma + 1)])
+        gammas = np.arange(self.max_gamma + 1)
+        tokens = np.array([expected_tokens(self.alpha, g) for g in gammas])
+        return view.num_decode * tokens / self.profile.step_times(batch, gammas, ctx)
 
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode

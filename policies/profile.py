@@ -125,6 +125,25 @@ class StepProfile:
             t += gamma * self.draft_step(batch_size, context)
         return t
 
+    def step_times(self, batch_size: float, gammas, context: float) -> np.ndarray:
+        """``step_time`` for many γ at once (one vectorised pass: policies that score every γ
+        each step call this rather than ``step_time`` per γ)."""
+        gammas = np.asarray(gammas, float)
+        curve = np.zeros(len(self.query_lens))  # target time over q at (batch_size, context)
+        for b, wb in _axis_weights(np.asarray(self.batch_sizes, float), float(batch_size)):
+            for c, wc in _axis_weights(np.asarray(self.context_lens, float), float(context)):
+                curve += wb * wc * self.target_time[b, :, c]
+        q = gammas + 1.0
+        grid = np.asarray(self.query_lens, float)
+        if len(grid) == 1:
+            target = np.full_like(q, curve[0])
+        else:
+            i = np.clip(np.searchsorted(grid, q, side="right") - 1, 0, len(grid) - 2)
+            t = (q - grid[i]) / (grid[i + 1] - grid[i])
+            target = (1.0 - t) * curve[i] + t * curve[i + 1]
+        target = np.maximum(target, _FLOOR)
+        return target + gammas * (self.draft_step(batch_size, context) if np.any(gammas) else 0)
+
     def c_prefill(self, catch_up_len: float, batch_size: float) -> float:
         """Nightjar's switching cost: seconds to resume speculation after ``catch_up_len`` tokens
         per sequence were generated without the draft (0 tokens cost nothing)."""

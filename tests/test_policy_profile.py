@@ -35,6 +35,14 @@ def test_lookups_interpolate_and_extrapolate_linearly():
     assert interpolate(([1, 2],), np.array([2.0, 1.0]), (10,)) > 0
 
 
+def test_vectorised_step_times_equal_the_scalar_lookups():
+    for p in (_profile(), synthetic_profile()):
+        for batch, ctx in ((1, 100), (3, 250), (40, 5000), (0.5, 10)):
+            gammas = np.arange(9)
+            expect = [p.step_time(batch, int(g), ctx) for g in gammas]
+            assert p.step_times(batch, gammas, ctx) == pytest.approx(expect, rel=1e-9)
+
+
 def test_memoised_lookups_round_only_the_context():
     p = _profile()
     first = p.target_step(2, 2, 203)
