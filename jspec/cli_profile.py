@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,41 +44,6 @@ def _check_axis(name: str, values: list[int], minimum: int = 1) -> list[int]:
     return sorted(set(values))
 
 
-class _Timer:
-    """Times one model's paged forward over synthetic batches (fresh KV pool per shape)."""
-
-    def __init__(self, model, kv_dtype, block_size: int, repeats: int):
-        import functools
-
-        import jax
-
-        from models.transformer import forward
-
-        self.model, self.kv_dtype = model, kv_dtype
-        self.block_size, self.repeats = block_size, repeats
-        self.step = jax.jit(functools.partial(forward, cfg=model.cfg), donate_argnames=("kv",))
-
-    def __call__(self, batch_size: int, query_len: int, context: int) -> float:
-        from jspec.bench.model_step import make_batch
-        from models.transformer import KVCache
-
-        batch, num_blocks = make_batch(batch_size, query_len, context, self.block_size)
-        state = {"kv": KVCache.create(self.model.cfg, num_blocks, self.block_size,
-                                      self.kv_dtype)}
-
-        def call():
-            logits, state["kv"] = self.step(self.model.params, state["kv"], batch)
-            logits.block_until_ready()
-
-        call()
-        best = float("inf")
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            call()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -96,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
     from tqdm.auto import tqdm
 
+    from jspec.bench.model_step import ForwardTimer
     from jspec.config import resolve_dtype
     from jspec.default_models import default_pair
     from jspec.llm import load_model
@@ -109,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if max(contexts) + max(query_lens) > limit or args.catch_up_context + max(catch_up_lens) > limit:
         raise ValueError(f"the grid reaches past the models' {limit} positions")
     kv_dtype = np.dtype(jax.numpy.dtype(dtype))
-    t_time = _Timer(target, kv_dtype, args.block_size, args.repeats)
-    d_time = _Timer(draft, kv_dtype, args.block_size, args.repeats)
+    t_time = ForwardTimer(target.cfg, target.params, kv_dtype, args.block_size, args.repeats)
+    d_time = ForwardTimer(draft.cfg, draft.params, kv_dtype, args.block_size, args.repeats)
 
     points = (len(batch_sizes) * len(contexts) * (len(query_lens) + 1)
               + len(catch_up_lens) * len(batch_sizes))

@@ -43,10 +43,8 @@ class EngineMetrics:
                     num_emitted: np.ndarray, batch_size: int = 0) -> None:
         clipped = np.minimum(gammas, self.max_gamma)
         np.add.at(self.gamma_histogram, clipped, 1)
-        hist = self.gamma_histogram_by_batch.get(batch_bucket(batch_size))
-        if hist is None:
-            hist = np.zeros(self.max_gamma + 1, np.int64)
-            self.gamma_histogram_by_batch[batch_bucket(batch_size)] = hist
+        hist = self.gamma_histogram_by_batch.setdefault(
+            batch_bucket(batch_size), np.zeros(self.max_gamma + 1, np.int64))
         np.add.at(hist, clipped, 1)
         drafting = num_verified > 0
         self.spec_decode_num_drafts += int(drafting.sum())

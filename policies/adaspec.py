@@ -74,7 +74,7 @@ from typing import Any
 import numpy as np
 
 from policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
-from policies.profile import _FLOOR, StepProfile, load_profile
+from policies.profile import StepProfile, load_profile
 
 
 def cumulative_confidence(confidence: np.ndarray, num_drafted: np.ndarray) -> np.ndarray:
@@ -146,22 +146,11 @@ class AdaSpecPolicy(Policy):
         return draft_steps * self.profile.draft_step(*self._load(view))
 
     def target_costs(self, view: BatchView, max_tokens: int) -> np.ndarray:
-        """target_step(B, 1 + K/B, L) for K = 0..max_tokens verify tokens, in one numpy pass.
-
-        select() runs between the draft and the verify forward, so its time adds to every step;
-        one scalar lookup per removed token would cost ~10 µs each. At fixed (B, L) the profile's
-        multilinear lookup is piecewise linear in q (linear extrapolation past the ends, then the
-        time floor), so its values at the grid's query lengths reproduce it exactly.
-        """
+        """target_step(B, 1 + K/B, L) for K = 0..max_tokens verify tokens, in one numpy pass:
+        select() runs between the draft and the verify forward, so its time adds to every step,
+        and one scalar lookup per removed token would cost ~10 µs each."""
         batch, ctx = self._load(view)
-        grid = np.asarray(self.profile.query_lens, np.float64)
-        at_grid = np.array([self.profile.target_step(batch, q, ctx) for q in grid])
-        q = 1.0 + np.arange(max_tokens + 1) / batch
-        if len(grid) == 1:
-            return np.full(q.shape, at_grid[0])
-        i = np.clip(np.searchsorted(grid, q, side="right") - 1, 0, len(grid) - 2)
-        t = (q - grid[i]) / (grid[i + 1] - grid[i])
-        return np.maximum((1.0 - t) * at_grid[i] + t * at_grid[i + 1], _FLOOR)
+        return self.profile.target_steps(batch, 1.0 + np.arange(max_tokens + 1) / batch, ctx)
 
     def _efficiency(self, accepted: float, time: float, speculating: bool) -> float:
         """N/T, or −1 when a speculating step would break the TPOT SLO (§5.3)."""

@@ -77,6 +77,7 @@ class StepProfile:
     target_time: np.ndarray  # [B, Q, L]
     draft_time: np.ndarray  # [B, L]
     catch_up_time: np.ndarray  # [C, B]
+    _cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.target_time = np.asarray(self.target_time, float)
@@ -100,7 +101,7 @@ class StepProfile:
         *rest, context = point
         key = (kind, *(float(x) for x in rest),
                int(round(float(context) / CONTEXT_QUANTUM)))
-        cache = self.__dict__.setdefault("_cache", {})
+        cache = self._cache
         hit = cache.get(key)
         if hit is None:
             if len(cache) >= _CACHE_LIMIT:
@@ -125,24 +126,25 @@ class StepProfile:
             t += gamma * self.draft_step(batch_size, context)
         return t
 
-    def step_times(self, batch_size: float, gammas, context: float) -> np.ndarray:
-        """``step_time`` for many γ at once (one vectorised pass: policies that score every γ
-        each step call this rather than ``step_time`` per γ)."""
-        gammas = np.asarray(gammas, float)
-        curve = np.zeros(len(self.query_lens))  # target time over q at (batch_size, context)
-        for b, wb in _axis_weights(np.asarray(self.batch_sizes, float), float(batch_size)):
-            for c, wc in _axis_weights(np.asarray(self.context_lens, float), float(context)):
-                curve += wb * wc * self.target_time[b, :, c]
-        q = gammas + 1.0
+    def target_steps(self, batch_size: float, query_lens, context: float) -> np.ndarray:
+        """``target_step`` at many query lengths in one numpy pass. At fixed (B, L) the
+        multilinear lookup is piecewise linear in q (linear extrapolation past the ends), so its
+        values at the grid's query lengths reproduce it exactly; policies that score every γ or
+        every verify length each step call this rather than one scalar lookup per point."""
+        q = np.asarray(query_lens, float)
         grid = np.asarray(self.query_lens, float)
+        at_grid = np.array([self.target_step(batch_size, g, context) for g in grid])
         if len(grid) == 1:
-            target = np.full_like(q, curve[0])
-        else:
-            i = np.clip(np.searchsorted(grid, q, side="right") - 1, 0, len(grid) - 2)
-            t = (q - grid[i]) / (grid[i + 1] - grid[i])
-            target = (1.0 - t) * curve[i] + t * curve[i + 1]
-        target = np.maximum(target, _FLOOR)
-        return target + gammas * (self.draft_step(batch_size, context) if np.any(gammas) else 0)
+            return np.full(q.shape, at_grid[0])
+        i = np.clip(np.searchsorted(grid, q, side="right") - 1, 0, len(grid) - 2)
+        t = (q - grid[i]) / (grid[i + 1] - grid[i])
+        return np.maximum((1.0 - t) * at_grid[i] + t * at_grid[i + 1], _FLOOR)
+
+    def step_times(self, batch_size: float, gammas, context: float) -> np.ndarray:
+        """``step_time`` for many γ at once (``target_steps`` plus γ draft steps)."""
+        gammas = np.asarray(gammas, float)
+        draft = self.draft_step(batch_size, context) if np.any(gammas) else 0.0
+        return self.target_steps(batch_size, gammas + 1.0, context) + gammas * draft
 
     def c_prefill(self, catch_up_len: float, batch_size: float) -> float:
         """Nightjar's switching cost: seconds to resume speculation after ``catch_up_len`` tokens
@@ -156,6 +158,8 @@ class StepProfile:
     def to_json(self) -> dict:
         out = {"format": FORMAT}
         for f in dataclasses.fields(self):
+            if not f.init:
+                continue
             v = getattr(self, f.name)
             out[f.name] = v.tolist() if isinstance(v, np.ndarray) else v
         return out
@@ -178,7 +182,7 @@ class StepProfile:
             raise ValueError(f"{str(path)!r} is not a jspec step profile (format "
                              f"{data.get('format')!r}, expected {FORMAT!r})")
         data.pop("format")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
         missing = names - set(data)
         if missing:
             raise ValueError(f"step profile {str(path)!r} lacks {sorted(missing)}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 ATTN_SHAPE = dict(num_heads=14, kv_heads=2, head_dim=64)
 
@@ -48,15 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _best(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` calls of ``fn`` (waited on) after a warm-up call."""
     import jax
 
+    from jspec.bench.model_step import _best_seconds
+
     jax.block_until_ready(fn())  # compile, warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return _best_seconds(lambda: jax.block_until_ready(fn()), repeats)
 
 
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:

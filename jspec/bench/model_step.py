@@ -137,29 +137,41 @@ def make_batch(batch: int, query_len: int, context: int, block_size: int):
     return ModelInput(input_ids, md, logits_indices), 1 + batch * pages
 
 
+class ForwardTimer:
+    """Times one model's jitted paged forward on ``make_batch`` shapes: a fresh KV pool per
+    shape, a warm-up call (compilation excluded), then the fastest of ``repeats`` calls. Shared
+    by this benchmark, `jspec bench pair` and `jspec profile`."""
+
+    def __init__(self, cfg, params, kv_dtype, block_size: int, repeats: int):
+        import functools
+
+        import jax
+
+        from models.transformer import forward
+
+        self.cfg, self.params, self.kv_dtype = cfg, params, kv_dtype
+        self.block_size, self.repeats = block_size, repeats
+        self.step = jax.jit(functools.partial(forward, cfg=cfg), donate_argnames=("kv",))
+
+    def __call__(self, batch_size: int, query_len: int, context: int) -> float:
+        from models.transformer import KVCache
+
+        batch, num_blocks = make_batch(batch_size, query_len, context, self.block_size)
+        state = {"kv": KVCache.create(self.cfg, num_blocks, self.block_size, self.kv_dtype)}
+
+        def call():
+            logits, state["kv"] = self.step(self.params, state["kv"], batch)
+            logits.block_until_ready()
+
+        call()  # compile and warm up
+        return _best_seconds(call, self.repeats)
+
+
 def time_grid(cfg, params, dtype, args) -> dict[tuple[int, int], float]:
-    """Median seconds per step for every (B, q) of the grid."""
-    import functools
-
-    import jax
-
-    from models.transformer import KVCache, forward
-
-    step = jax.jit(functools.partial(forward, cfg=cfg), donate_argnames=("kv",))
-    results = {}
-    for batch_size in args.batch_sizes:
-        for query_len in args.query_lens:
-            batch, num_blocks = make_batch(batch_size, query_len, args.context, args.block_size)
-            state = {"kv": KVCache.create(cfg, num_blocks, args.block_size, dtype)}
-
-            def call():
-                logits, state["kv"] = step(params, state["kv"], batch)
-                logits.block_until_ready()
-
-            call()  # compile and warm up
-            results[batch_size, query_len] = _best_seconds(call, args.repeats)
-            del state
-    return results
+    """Fastest seconds per step for every (B, q) of the grid."""
+    timer = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats)
+    return {(b, q): timer(b, q, args.context)
+            for b in args.batch_sizes for q in args.query_lens}
 
 
 def _format_table(results, args) -> list[str]:

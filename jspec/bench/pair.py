@@ -59,37 +59,18 @@ def function_body_parses(prompt: str, completion: str, slack: int = 3) -> bool:
 
 def measure_cost(llm, repeats: int = 5) -> list[dict]:
     """Forward step time of target and draft on identical shapes (fastest of ``repeats``)."""
-    import functools
+    from jspec.bench.model_step import ForwardTimer
 
-    import jax
-
-    from jspec.bench.model_step import make_batch
-    from models.transformer import KVCache, forward
-
-    engine = llm.engine
-    models = {"target": engine.runner.target, "draft": engine.runner.draft}
-    kv_dtype = engine.runner.kv_dtype
+    runner = llm.engine.runner
+    timers = {name: ForwardTimer(m.cfg, m.params, runner.kv_dtype, 16, repeats)
+              for name, m in (("target", runner.target), ("draft", runner.draft))}
     rows = []
     for label, batch_size, query_len, context in (("decode B=1", 1, 1, 256),
                                                   ("decode B=8", 8, 1, 256),
                                                   ("prefill 512", 1, 512, 0)):
         row = {"shape": label}
-        for name, model in models.items():
-            step = jax.jit(functools.partial(forward, cfg=model.cfg), donate_argnames=("kv",))
-            batch, num_blocks = make_batch(batch_size, query_len, context, 16)
-            state = {"kv": KVCache.create(model.cfg, num_blocks, 16, kv_dtype)}
-
-            def call():
-                logits, state["kv"] = step(model.params, state["kv"], batch)
-                logits.block_until_ready()
-
-            call()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
-            row[name] = min(times)
+        for name, timer in timers.items():
+            row[name] = timer(batch_size, query_len, context)
         row["ratio"] = row["draft"] / row["target"]
         rows.append(row)
     return rows
