@@ -57,6 +57,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--target", required=True, help="target HF checkpoint directory")
         parser.add_argument("--independent", action="store_true",
                             help="train the draft on the data alone (cross entropy), no KL")
+        parser.add_argument("--init", metavar="DIR", default=None,
+                            help="start from this draft checkpoint instead of random weights "
+                                 "(a second, self-generated distillation round)")
+        parser.add_argument("--self-generated", type=int, default=0, metavar="N",
+                            help="distil on N target completions of training-split prompts "
+                                 "mixed with corpus windows (jspec/self_distill.py); 0: corpus "
+                                 "only")
+        parser.add_argument("--self-max-tokens", type=int, default=96,
+                            help="tokens per self-generated completion")
+        parser.add_argument("--self-share", type=float, default=0.5,
+                            help="share of the training windows that are self-generated")
+        parser.add_argument("--self-batch", type=int, default=16,
+                            help="sequences the target completes at once")
 
 
 def _load_corpus(args, tokenizer):
@@ -76,6 +89,43 @@ def _load_corpus(args, tokenizer):
           f"({windows.shape[0] * args.seq_len:,} tokens); {len(held_files)} held-out files -> "
           f"{held.shape[0]} windows")
     return windows, held[:args.eval_windows] if args.eval_windows else np.zeros((0, 1), np.int32)
+
+
+def _self_generated(args, corpus, tokenizer, ckpt_dir: str):
+    """Corpus windows mixed with windows packed from the target's own completions; the packed
+    completions are kept in the checkpoint directory so ``--resume`` sees the same data."""
+    import numpy as np
+
+    from jspec.self_distill import generate_sequences, mix_windows, prefix_prompts
+    from models.corpus import discover, function_prompts, pack, split_files
+
+    if args.self_generated < 0 or args.self_max_tokens < 1 or args.self_batch < 1:
+        raise ValueError("--self-generated must be >= 0, --self-max-tokens and --self-batch "
+                         ">= 1")
+    cache = os.path.join(ckpt_dir, f"self_generated_{args.self_generated}_"
+                                   f"{args.self_max_tokens}_{args.seq_len}.npy")
+    if os.path.exists(cache):
+        generated = np.load(cache)
+        print(f"self-generated windows: {len(generated)} from {cache}")
+    else:
+        train_files, _ = split_files(discover(include_tests=not args.no_tests))
+        funcs = function_prompts(train_files)
+        rng = np.random.default_rng([args.seed, 5])
+        n_funcs = min(len(funcs), (2 * args.self_generated) // 3)
+        prompts = [funcs[i] for i in np.sort(rng.choice(len(funcs), n_funcs, replace=False))]
+        prompts += prefix_prompts(corpus, args.self_generated - n_funcs, seed=args.seed)
+        print(f"self-generated data: the target completes {n_funcs} function prompts and "
+              f"{len(prompts) - n_funcs} corpus prefixes, {args.self_max_tokens} tokens each ...")
+        seqs = generate_sequences(args.target, prompts, args.self_max_tokens,
+                                  max_num_seqs=args.self_batch, progress=not args.no_progress)
+        generated = pack(seqs, args.seq_len, tokenizer.eos_token_id, seed=args.seed)
+        np.save(cache, generated)
+        print(f"self-generated windows: {len(generated)} "
+              f"({sum(len(s) for s in seqs):,} tokens), saved to {cache}")
+    mixed = mix_windows(generated, corpus, args.self_share, seed=args.seed)
+    print(f"distillation windows: {len(generated)} self-generated + "
+          f"{len(mixed) - len(generated)} corpus")
+    return mixed
 
 
 def run(args) -> int:
@@ -122,6 +172,18 @@ def run(args) -> int:
                          f"{cfg.max_position_embeddings}")
 
     windows, held = _load_corpus(args, tokenizer)
+    init = None
+    if args._train_mode == "distill":
+        if args.self_generated:
+            windows = _self_generated(args, windows, tokenizer, ckpt_dir)
+        if args.init:
+            i_cfg, i_params = load_checkpoint(args.init, dtype=jnp.float32)
+            if (i_cfg.num_layers, i_cfg.hidden_size, i_cfg.vocab_size) != (
+                    cfg.num_layers, cfg.hidden_size, cfg.vocab_size):
+                raise ValueError(f"--init {args.init!r} is not a {args.config!r} draft "
+                                 f"({i_cfg.num_layers} layers, hidden {i_cfg.hidden_size}, "
+                                 f"vocab {i_cfg.vocab_size})")
+            init = params_for_module(i_cfg, i_params)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                      lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
                      compute_dtype=args.compute_dtype,
@@ -130,6 +192,7 @@ def run(args) -> int:
           f"{tc.batch_size * tc.seq_len} tokens")
     state = train(cfg, windows, tc, checkpoint_dir=ckpt_dir,
                   checkpoint_every=args.checkpoint_every, resume=args.resume, teacher=teacher,
+                  init=init,
                   progress=not args.no_progress, desc=args._train_mode)
     params = state["params"]
     if len(held) and held.shape[1] == args.seq_len + 1:

@@ -12,7 +12,8 @@ Recipe
     * Distillation (``teacher=...``): the draft minimises KL(target || draft) of the next-token
       distributions, the target's logits computed on the fly in the same step under
       ``stop_gradient``. ``distill_mode="ce"`` trains the draft independently (plain cross
-      entropy on the data, the teacher unused).
+      entropy on the data, the teacher unused). The windows can be the target's own completions
+      mixed with corpus windows (``jspec distill --self-generated``, ``jspec/self_distill.py``).
     * State: ``{"params", "opt_state", "step", "rng"}`` (a plain pytree), checkpointed with
       orbax-checkpoint's ``CheckpointManager`` every ``checkpoint_every`` steps and at the end.
       A run resumes from the latest checkpoint in its directory; the batch of step ``s`` is a pure

@@ -203,3 +203,69 @@ def test_cli_parses_train_and_distill():
     assert args._train_mode == "train" and args.steps == 3 and args.config == "tiny"
     args = build_parser().parse_args(["distill", "--target", "t", "--out", "d", "--independent"])
     assert args._train_mode == "distill" and args.independent
+
+
+# ----------------------------------------------------------------------------- self-generated data
+def test_prefix_prompts_and_mix_windows():
+    from jspec.self_distill import mix_windows, prefix_prompts
+
+    windows = np.arange(50 * 33, dtype=np.int32).reshape(50, 33)
+    prompts = prefix_prompts(windows, 200, min_len=4, max_len=20, seed=3)
+    assert len(prompts) == 200 and prompts == prefix_prompts(windows, 200, 4, 20, seed=3)
+    for p in prompts:
+        assert 4 <= len(p) <= 20
+        row, col = divmod(p[0], 33)
+        assert p == windows[row, col:col + len(p)].tolist()  # a contiguous slice of one window
+    assert prefix_prompts(windows, 0) == []
+    with pytest.raises(ValueError, match="min_len"):
+        prefix_prompts(windows, 3, min_len=30, max_len=20)
+    gen = np.full((10, 33), -1, np.int32)
+    mixed = mix_windows(gen, windows, 0.25, seed=1)
+    assert mixed.shape == (40, 33) and (mixed[:, 0] == -1).sum() == 10
+    assert len(np.unique(mixed[10:, 0])) == 30  # corpus windows drawn without replacement
+    assert mix_windows(gen, windows, 1.0).shape == (10, 33)
+    with pytest.raises(ValueError, match="generated_share"):
+        mix_windows(gen, windows, 0.0)
+    with pytest.raises(ValueError, match="no generated windows"):
+        mix_windows(gen[:0], windows, 0.5)
+
+
+def test_distill_cli_on_self_generated_data(data, trained_target, tmp_path, capsys):
+    """`jspec distill --self-generated N --init DRAFT`: the target completes N training-split
+    prompts through the engine, the packed completions are cached beside the checkpoints (a
+    resumed run reuses them) and the draft, started from --init, is distilled on the mix."""
+    import jax.numpy as jnp
+
+    from jspec.cli import main
+    from jspec.self_distill import generate_sequences
+    from models.train import config_for, export_hf, init_params
+
+    tok, _, _ = data
+    t_cfg, _, _, t_params = trained_target
+    target = export_hf(str(tmp_path / "target"), t_cfg, t_params, tok, dtype=jnp.float32)
+    d_cfg = config_for("tiny", "draft", VOCAB)
+    init = export_hf(str(tmp_path / "init"), d_cfg, init_params(d_cfg, 2), tok,
+                     dtype=jnp.float32)
+
+    prompt = tok.encode("def f(x):\n    return", add_special_tokens=False)
+    seq = generate_sequences(target, [prompt], 6, max_num_seqs=2, progress=False)[0]
+    assert seq[:len(prompt)].tolist() == prompt and len(prompt) < len(seq) <= len(prompt) + 6
+
+    argv = ["distill", "--config", "tiny", "--target", target, "--init", init,
+            "--out", str(tmp_path / "draft"), "--steps", "2", "--seq-len", str(SEQ),
+            "--max-files", "3", "--self-generated", "12", "--self-max-tokens", "40",
+            "--self-batch", "4", "--checkpoint-every", "1", "--eval-windows", "0",
+            "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "self-generated windows:" in out and "saved to" in out
+    cache = list((tmp_path / "draft.train-state").glob("self_generated_12_40_32.npy"))
+    assert len(cache) == 1 and np.load(cache[0]).shape[1] == SEQ + 1
+    assert (tmp_path / "draft" / "model.safetensors").exists()
+    assert main([*argv[:argv.index("--steps") + 1], "3", *argv[argv.index("--steps") + 2:],
+                 "--resume"]) == 0
+    assert f"from {cache[0]}" in capsys.readouterr().out
+    bad = ["distill", "--config", "default", "--target", target, "--init", init,
+           "--out", str(tmp_path / "bad"), "--steps", "1", "--max-files", "1"]
+    assert main(bad) == 2
+    assert "is not a 'default' draft" in capsys.readouterr().err
