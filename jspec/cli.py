@@ -24,6 +24,8 @@ BENCHMARKS = {
     "kernels": ("jspec.bench.kernels", "Pallas kernels vs references vs the bandwidth roofline"),
     "serving": ("jspec.bench.serving", "online serving: policies side by side on a workload "
                 "and arrival schedule (Poisson, step, burst, Azure trace)"),
+    "headline": ("jspec.bench.headline", "the headline experiment: every policy x low / medium "
+                 "/ high Poisson load and a scaled Azure trace, with a markdown report"),
     "plot": ("jspec.bench.plots", "figures of `jspec bench serving` results (matplotlib)"),
 }
 

@@ -25,6 +25,9 @@ import sys
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", metavar="DIR", help="default: the built-in pair's target")
     parser.add_argument("--draft", metavar="DIR", help="default: the built-in pair's draft")
+    parser.add_argument("--synthetic", metavar="SHAPE", default=None,
+                        help="profile random-weight models of this shape (jspec/synthetic.py, "
+                             "e.g. qwen2.5-0.5b) for the cost-realistic benchmark mode")
     parser.add_argument("--out", required=True, metavar="PROFILE.json")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
@@ -55,6 +58,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--repeats and --block-size must be >= 1")
     if (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither for the built-in pair")
+    if args.synthetic is not None:
+        from jspec.synthetic import SHAPES
+
+        if args.target is not None:
+            raise ValueError("--synthetic builds its own models; drop --target and --draft")
+        if args.synthetic not in SHAPES:
+            raise ValueError(f"unknown --synthetic shape {args.synthetic!r}; choose from "
+                             f"{', '.join(SHAPES)}")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
     import jax
@@ -66,10 +77,15 @@ def run(args: argparse.Namespace) -> int:
     from jspec.llm import load_model
     from policies.profile import StepProfile, model_signature
 
-    target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair()
     dtype = resolve_dtype(args.dtype)
-    target = load_model(target_dir, dtype, "target")
-    draft = load_model(draft_dir, dtype, "draft")
+    if args.synthetic is not None:
+        from jspec.synthetic import synthetic_models
+
+        target, draft = synthetic_models(args.synthetic, dtype)
+    else:
+        target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair()
+        target = load_model(target_dir, dtype, "target")
+        draft = load_model(draft_dir, dtype, "draft")
     limit = min(target.cfg.max_position_embeddings, draft.cfg.max_position_embeddings)
     if max(contexts) + max(query_lens) > limit or args.catch_up_context + max(catch_up_lens) > limit:
         raise ValueError(f"the grid reaches past the models' {limit} positions")

@@ -34,6 +34,9 @@ class EngineConfig:
     kernel_backend: str = "auto"
     min_token_bucket: int = 8
     warmup: bool = True  # compile every bucket at start-up
+    # benchmarking only: accepted-draft counts drawn from this acceptance model instead of the
+    # verification's (jspec/synthetic.py: "0.8", "0.9,0.8,...", a JSON file, "default-pair")
+    synthetic_acceptance: str | None = None
 
     def __post_init__(self):
         def positive(name):

@@ -99,6 +99,11 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._pending_outputs: list[RequestOutput] = []
         self.last_outcome: StepOutcome | None = None
+        self.synthetic = None
+        if config.synthetic_acceptance is not None and draft is not None:
+            from jspec.synthetic import parse_acceptance
+
+            self.synthetic = parse_acceptance(config.synthetic_acceptance, seed=config.seed)
         # Streaming callers want every step's deltas; offline generation only the finished
         # requests, and skipping the per-step outputs trims host time per step.
         self.stream_outputs = True
@@ -267,6 +272,11 @@ class LLMEngine:
         # the step's one host<-device transfer of results
         result, drafted_host = jax.device_get((result, num_drafted))
         verify_time = time.perf_counter() - t0
+        if self.synthetic is not None and draft is not None:
+            gammas = np.array([r.gamma if r.is_decode else 0 for r in rows]
+                              + [0] * (len(drafted_host) - len(rows)))
+            result = self.synthetic.apply(result, jax.device_get(draft_tokens), drafted_host,
+                                          gammas)
 
         # -- commit
         outputs += self._commit(rows, result, drafted_host)

@@ -477,3 +477,85 @@ def test_plots(serving_run, tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="not a `jspec bench serving` results file"):
         plots.load_results(str(bad))
+
+
+# ----------------------------------------------------------------------------- headline report
+def _fake_results(tps: dict[str, float], tpot90: dict[str, float], kind="poisson"):
+    runs = []
+    for label, v in tps.items():
+        policy = label.split(":")[0].split(" ")[0]
+        runs.append({"label": label, "policy": policy, "metrics": {
+            "output_tokens_per_s": v, "tpot_s": {"p90": tpot90[label]}, "mean_gamma": 1.0}})
+    best = max((r for r in runs if r["policy"] in ("off", "static")),
+               key=lambda r: r["metrics"]["output_tokens_per_s"])
+    comparison = [{"label": r["label"], "vs_best_fixed": r["metrics"]["output_tokens_per_s"]
+                   / best["metrics"]["output_tokens_per_s"]} for r in runs]
+    return {"runs": runs, "comparison": comparison,
+            "arrivals": {"label": kind, "num_requests": 10},
+            "config": {"target": "t", "draft": "d", "device": {"kind": "cpu", "platform": "cpu"},
+                       "max_num_seqs": 8, "num_speculative_tokens": 5}}
+
+
+def test_headline_goal_checks_and_report():
+    from jspec.bench.headline import PRESETS, goal_checks, headline_report, serving_args
+
+    fixed = _fake_results({"off": 100.0, "static γ=2": 120.0, "nightjar": 117.0},
+                          {"off": 0.010, "static γ=2": 0.008, "nightjar": 0.0081})
+    checks = goal_checks("low", fixed)
+    assert [(g, met) for g, met, _ in checks] == [
+        ("nightjar >= 0.97 x best fixed", True), ("nightjar p90 TPOT <= lowest fixed", True)]
+    assert "0.975 x static γ=2" in checks[0][2] and "(static γ=2), ratio 1.012" in checks[1][2]
+    slow = _fake_results({"off": 100.0, "static γ=2": 120.0, "nightjar": 110.0},
+                         {"off": 0.010, "static γ=2": 0.008, "nightjar": 0.009})
+    assert [met for _, met, _ in goal_checks("high", slow)] == [False, False]
+    trace = _fake_results({"off": 100.0, "static γ=1": 104.0, "static γ=3": 106.0,
+                           "nightjar": 112.0},
+                          {"off": 0.01, "static γ=1": 0.01, "static γ=3": 0.01, "nightjar": 0.01})
+    checks = goal_checks("trace", trace)
+    assert [(g, met) for g, met, _ in checks][:2] == [
+        ("nightjar >= 1.05 x every static", True), ("nightjar >= 1.10 x off", True)]
+    assert "1.057 x the best static (static γ=3)" in checks[0][2]
+    report = headline_report({"low": fixed, "trace": trace},
+                             {"low": "jspec bench serving A", "trace": "jspec bench serving B"})
+    assert "| nightjar | 117.0 (0.975), 8.10, 1.00 | 112.0 (1.057), 10.00, 1.00 |" in report
+    assert "| static γ=2 | 120.0 (1.000), 8.00, 1.00 | - |" in report
+    assert "`jspec bench serving B`" in report and "MISSED" not in report
+    # every preset parses as `jspec bench serving` arguments
+    from jspec.bench import serving
+
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    ns = argparse.Namespace(policies=["off", "nightjar"], synthetic=None,
+                            synthetic_acceptance=None, extra="--seed 2")
+    for mode in PRESETS:
+        for load in ("low", "medium", "high", "trace"):
+            parsed = parser.parse_args(serving_args(mode, load, ns))
+            assert parsed.policy == ["off", "nightjar"] and parsed.seed == 2
+
+
+def test_serving_warmup_requests(tiny_pair, tmp_path):
+    """--warmup-requests N: adaptive policies serve the first N requests unmeasured first (and
+    keep what they learned); off / static are measured as they are."""
+    from jspec.bench import serving
+
+    target, draft = tiny_pair
+    out = tmp_path / "warm.json"
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    args = parser.parse_args([
+        "--target", str(target), "--draft", str(draft), *llm_cli_args(),
+        "--policy", "off", "nightjar", "--arrivals", "poisson", "--rate", "50",
+        "--num-requests", "4", "--max-tokens", "5", "--warmup-requests", "3",
+        "--out", str(out), "--no-progress"])
+    assert serving.run(args) == 0
+    off, nightjar = json.loads(out.read_text())["runs"]
+    assert off["warmup_requests"] == 0 and nightjar["warmup_requests"] == 3
+    for run in (off, nightjar):
+        # the measured counters and records are the 4 measured requests' only
+        assert run["metrics"]["num_finished"] == 4
+        assert run["engine_metrics"]["num_generated_tokens"] == 4 * 5
+        assert len(run["steps"]["time"]) == run["metrics"]["num_engine_steps"]
+    assert nightjar["warmup_s"] > 0
+    from jspec.cli import main
+
+    assert main(["bench", "serving", "--warmup-requests", "-1"]) == 2

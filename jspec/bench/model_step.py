@@ -14,14 +14,10 @@ import argparse
 import os
 import time
 
-# Qwen2.5-0.5B and the draft shape. The draft keeps the vocabulary (it must share the
-# tokenizer), so its output head is most of its cost.
-TARGET_SHAPE = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_layers=24,
-                    num_heads=14, num_kv_heads=2, head_dim=64, intermediate_size=4864,
-                    tie_word_embeddings=True, qkv_bias=True, rope_theta=1000000.0,
-                    max_position_embeddings=32768)
-DRAFT_SHAPE = dict(TARGET_SHAPE, hidden_size=320, num_layers=6, num_heads=5, num_kv_heads=1,
-                   intermediate_size=1024)
+# Qwen2.5-0.5B and the draft shape, shared with the synthetic serving mode
+from jspec.synthetic import QWEN25_05B as TARGET_SHAPE
+from jspec.synthetic import QWEN25_05B_DRAFT as DRAFT_SHAPE
+
 # --small: seconds-long smoke run with the same code path.
 SMALL_TARGET = dict(TARGET_SHAPE, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, intermediate_size=128)

@@ -70,8 +70,13 @@ def _edges(series: dict, values: list) -> tuple[list, list]:
     return t + [t[-1] + series["bin_seconds"]], list(values) + [values[-1]]
 
 
+def _synthetic_tag(results: dict) -> str:
+    return "SYNTHETIC acceptance, " if results.get("synthetic") else ""
+
+
 def _title(results: dict) -> str:
-    return f"{results['arrivals']['label']}, {results['workload']['name']} prompts"
+    return (f"{_synthetic_tag(results)}{results['arrivals']['label']}, "
+            f"{results['workload']['name']} prompts")
 
 
 def plot_throughput(results: dict, path: str, bin_seconds: float | None = None) -> str:
@@ -151,9 +156,15 @@ def plot_summary(results_list: list[dict], path: str) -> str:
         for run in r["runs"]:
             if run["label"] not in labels:
                 labels.append(run["label"])
-    panels = (("output tokens/s", lambda m: m["output_tokens_per_s"], 1.0),
-              ("p90 TPOT (ms)", lambda m: m["tpot_s"]["p90"], 1e3),
-              ("TPOT SLO attainment (%)", lambda m: m["slo_attainment"], 100.0))
+
+    def vs_best_fixed(results: dict, run: dict):
+        row = next((c for c in results.get("comparison", []) if c["label"] == run["label"]),
+                   None)
+        return row["vs_best_fixed"] if row else None
+
+    panels = (("output tokens/s", lambda r, u: u["metrics"]["output_tokens_per_s"], 1.0),
+              ("throughput / best of off and static", vs_best_fixed, 1.0),
+              ("p90 TPOT (ms)", lambda r, u: u["metrics"]["tpot_s"]["p90"], 1e3))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
     x = np.arange(len(loads))
     width = 0.8 / max(len(labels), 1)
@@ -162,14 +173,18 @@ def plot_summary(results_list: list[dict], path: str) -> str:
             values = []
             for r in results_list:
                 run = next((u for u in r["runs"] if u["label"] == label), None)
-                v = get(run["metrics"]) if run is not None else None
+                v = get(r, run) if run is not None else None
                 values.append(np.nan if v is None else v * scale)
             ax.bar(x + (j - (len(labels) - 1) / 2) * width, values, width, label=label)
         ax.set_xticks(x)
         ax.set_xticklabels(loads, rotation=20, ha="right", fontsize=8)
         ax.set_title(name, fontsize=10)
+        if name.startswith("throughput /"):
+            ax.axhline(1.0, color="black", linewidth=0.8)
     axes[0, 0].legend(fontsize=7)
-    fig.suptitle("Policies × load", fontsize=11)
+    synthetic = any(r.get("synthetic") for r in results_list)
+    fig.suptitle(("SYNTHETIC acceptance: " if synthetic else "") + "Policies × load",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

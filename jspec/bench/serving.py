@@ -15,6 +15,12 @@ engine's own steps are recorded by wrapping ``LLMEngine.step`` on the instance f
 engine change): per step, its batch size, the γ the policy chose for each decoding sequence
 (summed, with the max), verified / accepted / emitted tokens, prefill tokens and queue depths.
 
+``--warmup-requests N`` lets each adaptive policy (not off / static) serve the first N requests
+of the schedule, unmeasured, on the engine it is then measured on (policy state kept, engine
+counters reset): a long-running server's state rather than a cold start. ``--synthetic SHAPE``
+and ``--synthetic-acceptance SPEC`` select the cost-realistic mode (``jspec.synthetic``); its
+results are labelled SYNTHETIC in the table, the JSON and the figures.
+
 Policies: ``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE]`` (``static:gamma=2``); ``--policy-option
 KEY=VALUE`` applies to every listed policy except ``off``, ``--policy-option NAME.KEY=VALUE`` to
 policy NAME only (e.g. ``adaspec.profile=profile.json``).
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import math
@@ -62,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         models.add_argument(f"--{name}", type=int, default=None,
                             help="engine option (default: EngineConfig's)")
 
+    syn = p.add_argument_group("cost-realistic synthetic mode (jspec/synthetic.py)")
+    syn.add_argument("--synthetic", metavar="SHAPE", default=None,
+                     help="random-weight target and draft of this real shape (qwen2.5-0.5b) "
+                          "with synthetic acceptance; results are labelled SYNTHETIC")
+    syn.add_argument("--synthetic-acceptance", metavar="SPEC", default=None,
+                     help="acceptance model: a rate (0.8), per-position rates (0.9,0.8,...), "
+                          "a `jspec bench pair --json` file, or default-pair (the shipped "
+                          "pair's recorded acceptance; the default with --synthetic)")
     pol = p.add_argument_group("policies")
     pol.add_argument("--policy", nargs="+", default=["static"], metavar="NAME[:K=V,...]",
                      help="policies to run one after another on the same requests, e.g. "
@@ -86,6 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="generate every budgeted token (default: on, so output lengths are "
                            "the workload's)")
+    work.add_argument("--warmup-requests", type=int, default=0, metavar="N",
+                      help="before its measured run, each adaptive policy (not off / static) "
+                           "serves the first N requests of the same schedule unmeasured, so it "
+                           "is measured in the state a long-running server reaches, not while "
+                           "it learns from nothing")
     work.add_argument("--seed", type=int, default=0,
                       help="seeds prompt sampling, arrivals and per-request sampling")
 
@@ -301,18 +321,39 @@ async def drive(aengine, requests: list[wl.BenchRequest], sampling, recorder: St
     return records
 
 
+def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
+    """A fresh engine (not warmed up) for ``policy``: over the given (or built-in) checkpoints,
+    or, with ``--synthetic``, over random-weight models of that shape with the built-in pair's
+    tokenizer (any tokenizer does: the text is meaningless)."""
+    from jspec.llm import build_engine
+
+    if args.synthetic is None:
+        return build_engine(args.target, args.draft, policy=policy["name"],
+                            policy_options=policy["options"], warmup=False, **engine_kwargs)
+    from jspec.config import EngineConfig, resolve_dtype
+    from jspec.default_models import default_pair
+    from jspec.engine import LLMEngine
+    from jspec.synthetic import synthetic_models
+    from models.loader import load_tokenizer
+
+    config = EngineConfig(policy=policy["name"], warmup=False,
+                          policy_options=tuple(sorted(policy["options"].items())),
+                          **engine_kwargs)
+    target, draft = synthetic_models(args.synthetic, resolve_dtype(config.dtype))
+    return LLMEngine(target, draft, config, tokenizer=load_tokenizer(default_pair()[0]))
+
+
 def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requests,
                engine=None) -> dict:
     """Run one policy over the requests on a fresh engine (or ``engine``, already built and
     warmed up for this policy); returns the run's results."""
     from jspec.async_engine import AsyncLLMEngine
-    from jspec.llm import build_engine
+    from jspec.metrics import EngineMetrics
     from jspec.sampling_params import SamplingParams
 
     compile_s = 0.0
     if engine is None:
-        engine = build_engine(args.target, args.draft, policy=policy["name"],
-                              policy_options=policy["options"], warmup=False, **engine_kwargs)
+        engine = make_engine(args, policy, engine_kwargs)
         t = time.perf_counter()
         engine.warmup()
         compile_s = time.perf_counter() - t
@@ -325,8 +366,20 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
                               seed=(args.seed * 1_000_003 + int(req.request_id[4:])) % 2**31)
 
     aengine = AsyncLLMEngine(engine)
+    warm = requests[:args.warmup_requests] if policy["name"] not in ("off", "static") else []
+    warmup_s = 0.0
     start = time.perf_counter()
     try:
+        if warm:
+            # the same requests at the same times, under other ids; then the engine's counters
+            # start again from zero while the policy keeps what it learned
+            warm = [dataclasses.replace(r, request_id=f"req-{10_000_000 + i}")
+                    for i, r in enumerate(warm)]
+            with StepRecorder(engine) as warm_recorder:
+                asyncio.run(drive(aengine, warm, sampling, warm_recorder, progress=False))
+            engine.metrics = EngineMetrics(max_gamma=engine.max_gamma)
+            warmup_s = time.perf_counter() - start
+            start = time.perf_counter()
         with StepRecorder(engine) as recorder:
             records = asyncio.run(drive(aengine, requests, sampling, recorder,
                                         progress=not args.no_progress, desc=policy["label"]))
@@ -352,6 +405,7 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
         "policy_options": {k: str(v) if not isinstance(v, (int, float, bool)) else v
                            for k, v in policy["options"].items()},
         "compile_s": compile_s, "wall_s": wall,
+        "warmup_requests": len(warm), "warmup_s": warmup_s,
         "metrics": metrics,
         "submit_lag_s": summarize(r.submit - r.arrival for r in records
                                   if r.submit is not None),
@@ -414,6 +468,19 @@ def format_table(runs: list[dict], rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def synthetic_banner(args: argparse.Namespace, synthetic) -> str:
+    models = (f"random-weight {args.synthetic}-shaped target and draft" if args.synthetic
+              else "real models")
+    return (f"SYNTHETIC: {models}, acceptance drawn from {synthetic.source} (not measured on "
+            "this text)")
+
+
+def _model_label(args: argparse.Namespace, role: str) -> str:
+    if args.synthetic:
+        return f"synthetic {args.synthetic} {role} (random weights)"
+    return getattr(args, role) or "default pair"
+
+
 def _device() -> dict:
     import jax
 
@@ -426,11 +493,29 @@ def run(args: argparse.Namespace) -> int:
     # -- everything checkable without models, before loading anything
     if (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither for the built-in pair")
+    if args.synthetic is not None:
+        from jspec.synthetic import SHAPES
+
+        if args.target is not None:
+            raise ValueError("--synthetic builds its own random-weight models; drop --target "
+                             "and --draft")
+        if args.synthetic not in SHAPES:
+            raise ValueError(f"unknown --synthetic shape {args.synthetic!r}; choose from "
+                             f"{', '.join(SHAPES)}")
+        if args.synthetic_acceptance is None:
+            args.synthetic_acceptance = "default-pair"
+    synthetic = None
+    if args.synthetic_acceptance is not None:
+        from jspec.synthetic import parse_acceptance
+
+        synthetic = parse_acceptance(args.synthetic_acceptance, seed=args.seed)
     if args.num_speculative_tokens < 0:
         raise ValueError(f"--num-speculative-tokens must be >= 0, got "
                          f"{args.num_speculative_tokens}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.warmup_requests < 0:
+        raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     for name in ("tpot_slo_ms", "ttft_slo_ms", "bin_seconds"):
@@ -454,21 +539,24 @@ def run(args: argparse.Namespace) -> int:
     args.bin_seconds_resolved = args.bin_seconds or nice_bin(span)
 
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from jspec.llm import build_engine
-
     engine_kwargs = {"num_speculative_tokens": args.num_speculative_tokens, "dtype": args.dtype,
-                     "max_num_seqs": args.max_num_seqs}
+                     "max_num_seqs": args.max_num_seqs,
+                     "synthetic_acceptance": args.synthetic_acceptance}
     for name in ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                  "min_token_bucket"):
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
-    if args.target is None:
+    if synthetic is not None:
+        print(f"SYNTHETIC acceptance ({synthetic.source}; conditional per position "
+              f"{', '.join(f'{r:.3f}' for r in synthetic.rates)})"
+              + (f" on random-weight {args.synthetic}-shaped models" if args.synthetic else ""),
+              file=sys.stderr)
+    elif args.target is None:
         from jspec.default_models import describe_default_pair
 
         print(f"using {describe_default_pair()}", file=sys.stderr)
     # the first engine's tokenizer and context limit shape the requests every policy gets
-    first = build_engine(args.target, args.draft, policy=policies[0]["name"],
-                         policy_options=policies[0]["options"], warmup=False, **engine_kwargs)
+    first = make_engine(args, policies[0], engine_kwargs)
     max_model_len = first.rc.max_model_len
     from policies.profile import model_signature
 
@@ -512,6 +600,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{lag * 1e3:.0f} ms after their arrival time; counted in their latency)",
                   file=sys.stderr)
     rows = comparison(runs)
+    if synthetic is not None:
+        print(synthetic_banner(args, synthetic))
     print(format_table(runs, rows))
 
     results = {
@@ -519,8 +609,11 @@ def run(args: argparse.Namespace) -> int:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": ["jspec", "bench", "serving", *sys.argv[3:]] if sys.argv[1:3] == [
             "bench", "serving"] else None,
-        "config": {"target": args.target or "default pair", "draft": args.draft or
-                   "default pair", **model_info, **engine_kwargs,
+        "synthetic": None if synthetic is None else {
+            "label": synthetic_banner(args, synthetic), "shape": args.synthetic,
+            **synthetic.describe()},
+        "config": {"target": _model_label(args, "target"), "draft": _model_label(args, "draft"),
+                   **model_info, **engine_kwargs,
                    "max_model_len": max_model_len,
                    "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                    "seed": args.seed, "device": _device()},
