@@ -59,13 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither for the built-in pair")
     if args.synthetic is not None:
-        from jspec.synthetic import SHAPES
+        from jspec.synthetic import check_shape
 
-        if args.target is not None:
-            raise ValueError("--synthetic builds its own models; drop --target and --draft")
-        if args.synthetic not in SHAPES:
-            raise ValueError(f"unknown --synthetic shape {args.synthetic!r}; choose from "
-                             f"{', '.join(SHAPES)}")
+        check_shape(args.synthetic, args.target)
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
     import jax

@@ -20,6 +20,7 @@ from jspec import input_batch as ib
 from jspec.block_manager import BlockManager
 from jspec.config import EngineConfig, gamma_bucket, gamma_buckets, resolve
 from jspec.detokenizer import IncrementalDetokenizer, find_stop
+from jspec.jsonfile import read_json
 from jspec.metrics import EngineMetrics
 from jspec.outputs import RequestOutput, SpecStats
 from jspec.runner import LoadedModel, ModelRunner
@@ -122,13 +123,7 @@ class LLMEngine:
         os.replace(tmp, path)  # never leave a half-written file behind
 
     def load_policy_state(self, path: str) -> None:
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-        except OSError as e:
-            raise ValueError(f"cannot read policy state {path!r}: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"policy state {path!r} is not JSON ({e.msg})") from None
+        saved = read_json(path, "policy state")
         if not isinstance(saved, dict) or "state" not in saved:
             raise ValueError(f"{path!r} is not a jspec policy state file")
         if saved.get("policy") != self.policy.name:

@@ -23,14 +23,17 @@ def load_model(path: str | os.PathLike, dtype: str, name: str):
     return LoadedModel(cfg=cfg, params=params, name=name)
 
 
-def build_engine(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None,
+def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
+                 draft: "str | os.PathLike | LoadedModel | None" = None,
                  *, tokenizer: str | os.PathLike | None = None,
                  policy_obj=None, **engine_kwargs: Any):
-    """Load the models and build an LLMEngine; ``target=None`` uses the built-in default pair."""
+    """Load the models and build an LLMEngine; ``target=None`` uses the built-in default pair.
+    ``target`` / ``draft`` are checkpoint directories or models already loaded (then
+    ``tokenizer`` is required)."""
     from jspec.config import resolve_dtype
     from jspec.default_models import cache_dir, default_pair
     from jspec.engine import LLMEngine
-    from jspec.runner import enable_persistent_compilation_cache
+    from jspec.runner import LoadedModel, enable_persistent_compilation_cache
     from models.loader import load_tokenizer
 
     if os.environ.get("JSPEC_COMPILATION_CACHE", "on").lower() not in ("0", "off", "false"):
@@ -43,8 +46,13 @@ def build_engine(target: str | os.PathLike | None = None, draft: str | os.PathLi
     policy_options = engine_kwargs.pop("policy_options", None) or {}
     config = EngineConfig(policy_options=tuple(sorted(policy_options.items())), **engine_kwargs)
     dtype = resolve_dtype(config.dtype)
-    target_model = load_model(target, dtype, "target")
-    draft_model = load_model(draft, dtype, "draft") if draft is not None else None
+    # models already in memory (random-weight benchmark models) come as LoadedModels
+    if isinstance(target, LoadedModel) and tokenizer is None:
+        raise ValueError("a target given as a loaded model needs a tokenizer directory")
+    target_model = target if isinstance(target, LoadedModel) else load_model(target, dtype,
+                                                                             "target")
+    draft_model = draft if draft is None or isinstance(draft, LoadedModel) else load_model(
+        draft, dtype, "draft")
     tok = load_tokenizer(tokenizer or target)
     return LLMEngine(target_model, draft_model, config, tokenizer=tok, policy=policy_obj)
 

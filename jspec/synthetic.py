@@ -34,15 +34,15 @@ the target's own emitted token. The target's KV already holds exactly those n dr
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
 
+from jspec.default_models import SHIPPED_DIR
+from jspec.jsonfile import read_json
 from models.config import ModelConfig
 
-SHIPPED_ACCEPTANCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                  "models", "default_pair", "acceptance.json")
+SHIPPED_ACCEPTANCE = str(SHIPPED_DIR / "acceptance.json")
 
 
 @dataclasses.dataclass
@@ -93,11 +93,10 @@ class SyntheticAcceptance:
         n = self.draw(d[rows])
         real_n = np.minimum(num_accepted[rows], d[rows])
         emitted = tokens[rows, real_n]  # the target's own token at its real rejection point
-        cols = np.arange(tokens.shape[1])[None, :]
-        src = np.asarray(draft_tokens)[rows]
-        width = min(src.shape[1], tokens.shape[1])
+        src = np.asarray(draft_tokens)[rows]  # [rows, G]; tokens are [rows, G + 1]
+        gamma = src.shape[1]
         new = tokens[rows].copy()
-        new[:, :width] = np.where(cols[:, :width] < n[:, None], src[:, :width], new[:, :width])
+        new[:, :gamma] = np.where(np.arange(gamma)[None, :] < n[:, None], src, new[:, :gamma])
         new[np.arange(len(rows)), n] = emitted
         tokens[rows] = new
         num_accepted[rows] = n
@@ -129,11 +128,9 @@ def parse_acceptance(spec: str, seed: int = 0) -> SyntheticAcceptance:
 
 
 def _from_file(path: str, seed: int, label: str) -> SyntheticAcceptance:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read synthetic acceptance from {path!r}: {e}") from None
+    data = read_json(path, "synthetic acceptance")
+    if not isinstance(data, dict):
+        raise ValueError(f"synthetic acceptance {path!r} must hold a JSON object")
     if "conditional_acceptance" in data:
         rates = tuple(data["conditional_acceptance"])
     elif "acceptance_by_position" in data:
@@ -179,13 +176,48 @@ SHAPES: dict[str, tuple[ModelConfig, ModelConfig]] = {
 _PARAMS: dict[tuple[str, str, str], dict] = {}
 
 
+def check_shape(shape: str, target: str | None = None) -> None:
+    """The checks of a command's ``--synthetic SHAPE`` (with its ``--target``), made before
+    anything loads."""
+    if target is not None:
+        raise ValueError("--synthetic builds its own random-weight models; drop --target and "
+                         "--draft")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown --synthetic shape {shape!r}; choose from {', '.join(SHAPES)}")
+
+
+def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
+    """Random weights in the runtime layout, generated on device (numpy would take most of a
+    minute for the 0.5B shapes). Values only need to be finite and non-degenerate: normal(0,
+    0.02) matrices, unit norms, the tied head the transposed embedding."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.params import param_shapes
+
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for key, shape in zip(keys, leaves):
+        make = jax.jit(lambda k, shape=shape: (0.02 * jax.random.normal(k, shape, jnp.float32))
+                       .astype(dtype))
+        out.append(make(key))
+    params = jax.tree_util.tree_unflatten(treedef, out)
+    params["final_norm"] = jnp.ones_like(params["final_norm"])
+    params["layers"]["attn_norm"] = jnp.ones_like(params["layers"]["attn_norm"])
+    params["layers"]["mlp_norm"] = jnp.ones_like(params["layers"]["mlp_norm"])
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = jnp.transpose(params["embed"])
+    return jax.block_until_ready(params)
+
+
 def synthetic_models(shape: str, dtype: str = "bfloat16"):
     """(target, draft) LoadedModels with random weights of ``shape`` (cached per process, so
     every policy of a benchmark shares one copy)."""
     import jax.numpy as jnp
 
     from jspec.runner import LoadedModel
-    from models.params import init_params
 
     if shape not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape!r}; choose from {', '.join(SHAPES)}")
@@ -193,6 +225,6 @@ def synthetic_models(shape: str, dtype: str = "bfloat16"):
     for role, cfg, seed in (("target", SHAPES[shape][0], 0), ("draft", SHAPES[shape][1], 1)):
         key = (shape, role, dtype)
         if key not in _PARAMS:
-            _PARAMS[key] = init_params(cfg, seed=seed, dtype=jnp.dtype(dtype))
+            _PARAMS[key] = random_params(cfg, jnp.dtype(dtype), seed=seed)
         models.append(LoadedModel(cfg=cfg, params=_PARAMS[key], name=f"synthetic-{role}"))
     return models[0], models[1]

@@ -30,7 +30,6 @@ the tail and the policies' speed shows in TPOT; at and above capacity throughput
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -151,13 +150,14 @@ def run(args: argparse.Namespace) -> int:
         code = serving.run(ns)
         if code:
             return code
+    from jspec.bench.plots import load_results
+
     results = {}
     for load in loads:
         path = os.path.join(args.out, f"{load}.json")
         if not os.path.exists(path):
             raise ValueError(f"no results for load {load!r} at {path!r}")
-        with open(path) as f:
-            results[load] = json.load(f)
+        results[load] = load_results(path)
     report = headline_report(results, commands)
     with open(os.path.join(args.out, "headline.md"), "w") as f:
         f.write(report)

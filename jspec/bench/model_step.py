@@ -14,9 +14,11 @@ import argparse
 import os
 import time
 
-# Qwen2.5-0.5B and the draft shape, shared with the synthetic serving mode
+# Qwen2.5-0.5B and the draft shape, and their random weights, shared with the synthetic
+# serving mode
 from jspec.synthetic import QWEN25_05B as TARGET_SHAPE
 from jspec.synthetic import QWEN25_05B_DRAFT as DRAFT_SHAPE
+from jspec.synthetic import random_params
 
 # --small: seconds-long smoke run with the same code path.
 SMALL_TARGET = dict(TARGET_SHAPE, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
@@ -69,31 +71,6 @@ def measure_bandwidth(num_bytes: int, repeats: int) -> float:
     seconds = _best_seconds(lambda: reduce(x).block_until_ready(), max(3, repeats))
     del x
     return 4 * n / seconds
-
-
-def random_params(cfg, dtype, seed: int = 0) -> dict:
-    """Random weights in the runtime layout, generated on device (numpy would take most of a
-    minute for the 0.5B shapes). Values only need to be finite and non-degenerate."""
-    import jax
-    import jax.numpy as jnp
-
-    from models.params import param_shapes
-
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = []
-    for key, shape in zip(keys, leaves):
-        make = jax.jit(lambda k, shape=shape: (0.02 * jax.random.normal(k, shape, jnp.float32))
-                       .astype(dtype))
-        out.append(make(key))
-    params = jax.tree_util.tree_unflatten(treedef, out)
-    params["final_norm"] = jnp.ones_like(params["final_norm"])
-    params["layers"]["attn_norm"] = jnp.ones_like(params["layers"]["attn_norm"])
-    params["layers"]["mlp_norm"] = jnp.ones_like(params["layers"]["mlp_norm"])
-    if cfg.tie_word_embeddings:
-        params["lm_head"] = jnp.transpose(params["embed"])
-    return jax.block_until_ready(params)
 
 
 def weight_bytes_per_step(params: dict) -> int:

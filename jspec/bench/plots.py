@@ -19,10 +19,10 @@ when a figure is drawn.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from jspec.bench.serving_metrics import RequestRecord, time_series
+from jspec.jsonfile import read_json
 
 
 def require_matplotlib():
@@ -41,13 +41,7 @@ def require_matplotlib():
 def load_results(path: str) -> dict:
     from jspec.bench.serving import FORMAT
 
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read results {path!r}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"results {path!r} are not JSON ({e.msg})") from None
+    data = read_json(path, "results")
     if not isinstance(data, dict) or data.get("format") != FORMAT or not data.get("runs"):
         raise ValueError(f"{path!r} is not a `jspec bench serving` results file ({FORMAT})")
     return data

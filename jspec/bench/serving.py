@@ -327,20 +327,16 @@ def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
     tokenizer (any tokenizer does: the text is meaningless)."""
     from jspec.llm import build_engine
 
-    if args.synthetic is None:
-        return build_engine(args.target, args.draft, policy=policy["name"],
-                            policy_options=policy["options"], warmup=False, **engine_kwargs)
-    from jspec.config import EngineConfig, resolve_dtype
-    from jspec.default_models import default_pair
-    from jspec.engine import LLMEngine
-    from jspec.synthetic import synthetic_models
-    from models.loader import load_tokenizer
+    target, draft, tokenizer = args.target, args.draft, None
+    if args.synthetic is not None:
+        from jspec.config import resolve_dtype
+        from jspec.default_models import default_pair
+        from jspec.synthetic import synthetic_models
 
-    config = EngineConfig(policy=policy["name"], warmup=False,
-                          policy_options=tuple(sorted(policy["options"].items())),
-                          **engine_kwargs)
-    target, draft = synthetic_models(args.synthetic, resolve_dtype(config.dtype))
-    return LLMEngine(target, draft, config, tokenizer=load_tokenizer(default_pair()[0]))
+        target, draft = synthetic_models(args.synthetic, resolve_dtype(engine_kwargs["dtype"]))
+        tokenizer = default_pair()[0]
+    return build_engine(target, draft, tokenizer=tokenizer, policy=policy["name"],
+                        policy_options=policy["options"], warmup=False, **engine_kwargs)
 
 
 def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requests,
@@ -494,14 +490,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither for the built-in pair")
     if args.synthetic is not None:
-        from jspec.synthetic import SHAPES
+        from jspec.synthetic import check_shape
 
-        if args.target is not None:
-            raise ValueError("--synthetic builds its own random-weight models; drop --target "
-                             "and --draft")
-        if args.synthetic not in SHAPES:
-            raise ValueError(f"unknown --synthetic shape {args.synthetic!r}; choose from "
-                             f"{', '.join(SHAPES)}")
+        check_shape(args.synthetic, args.target)
         if args.synthetic_acceptance is None:
             args.synthetic_acceptance = "default-pair"
     synthetic = None
@@ -547,10 +538,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
     if synthetic is not None:
-        print(f"SYNTHETIC acceptance ({synthetic.source}; conditional per position "
-              f"{', '.join(f'{r:.3f}' for r in synthetic.rates)})"
-              + (f" on random-weight {args.synthetic}-shaped models" if args.synthetic else ""),
-              file=sys.stderr)
+        print(f"{synthetic_banner(args, synthetic)}; conditional acceptance per position "
+              f"{', '.join(f'{r:.3f}' for r in synthetic.rates)}", file=sys.stderr)
     elif args.target is None:
         from jspec.default_models import describe_default_pair
 
