@@ -177,3 +177,11 @@ def test_serving_bench_synthetic_shape(monkeypatch, tmp_path):
     m = res["runs"][0]["metrics"]
     # position 1 is always rejected, so nothing is ever accepted
     assert m["acceptance_rate"] == 0.0 and m["total_output_tokens"] == 3 * 7
+
+
+def test_build_engine_takes_loaded_models_with_a_tokenizer(engine_models):
+    from jspec.llm import build_engine
+
+    target, _, _ = engine_models
+    with pytest.raises(ValueError, match="needs a tokenizer directory"):
+        build_engine(target, None)
