@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from pallas_kernels.pytree import array_dataclass
 from pallas_kernels.ragged_paged_attention import (
     AttentionMetadata,
-    ragged_paged_attention_reference,
+    ragged_paged_attention_tiled,
     token_sequence_ids,
 )
 
@@ -153,7 +153,7 @@ def forward(
     batch: ModelInput,
     *,
     cfg: ModelConfig,
-    attention_fn: AttentionFn = ragged_paged_attention_reference,
+    attention_fn: AttentionFn = ragged_paged_attention_tiled,
     return_hidden: bool = False,
 ):
     """Returns (logits [R, vocab] float32, updated kv). Pure; jit with ``kv`` donated.

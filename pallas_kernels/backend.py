@@ -8,7 +8,8 @@ Backends
                    JAX supports, so that is the path used here (``_gpu_compiler_params``).
     ``interpret``  the same kernels through Pallas' interpreter: any platform, slow; this is how
                    the CPU tests check the kernels against the references.
-    ``reference``  the pure-jnp references (XLA fuses them well on CPU).
+    ``reference``  pure JAX: attention reads each sequence's pages once per query tile
+                   (``ragged_paged_attention_tiled``), migration the jnp reference.
     ``auto``       ``pallas`` on a GPU when a probe compile of both kernels succeeds (otherwise
                    ``reference`` with a warning saying why), ``reference`` on CPU and TPU.
 
@@ -102,7 +103,8 @@ def _gpu_probe() -> str | None:
 def attention_fn(backend: str) -> Callable:
     """The attention implementation for a *resolved* backend, with the reference's signature."""
     if backend == "reference":
-        return rpa.ragged_paged_attention_reference
+        # the pure-JAX path: one K/V gather per query tile (the per-token function is the oracle)
+        return rpa.ragged_paged_attention_tiled
     if backend == "interpret":
         return functools.partial(rpa.ragged_paged_attention, interpret=True)
     if backend == "pallas":

@@ -91,54 +91,146 @@ def ragged_paged_attention_reference(
     num_tokens, num_heads, head_dim = q.shape
     block_size, kv_heads = k_pool.shape[2], k_pool.shape[3]
     group = num_heads // kv_heads
-    num_seqs, num_pages = md.page_table.shape
-    if chunk_pages is None:
-        chunk_pages = max(1, 256 // block_size)
-    chunk_pages = min(chunk_pages, num_pages)
-    page_table = md.page_table
-    pad = (-num_pages) % chunk_pages
-    if pad:
-        page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
-    chunk = chunk_pages * block_size
-
+    page_table, chunk_pages, chunk = _page_chunks(md.page_table, block_size, chunk_pages)
     token_seq = token_sequence_ids(md.cu_q_lens, num_tokens)
     q_pos = md.positions
     qf = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
-    k_layer = k_pool[layer]
-    v_layer = v_pool[layer]
 
     def body(c, carry):
-        m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(page_table, c * chunk_pages, chunk_pages, axis=1)
         tok_pages = pages[token_seq]  # [T, chunk_pages]
-        k = k_layer[tok_pages].reshape(num_tokens, chunk, kv_heads, head_dim)
-        v = v_layer[tok_pages].reshape(num_tokens, chunk, kv_heads, head_dim)
-        k_pos = c * chunk + jnp.arange(chunk, dtype=q_pos.dtype)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        # one gather indexed by (layer, page): slicing the layer out first (k_pool[layer])
+        # materialises a copy of that layer's whole pool on XLA:CPU, every layer, every step
+        k = k_pool[layer, tok_pages].reshape(num_tokens, chunk, kv_heads, head_dim)
+        v = v_pool[layer, tok_pages].reshape(num_tokens, chunk, kv_heads, head_dim)
+        mask = _causal_mask(c * chunk + jnp.arange(chunk, dtype=jnp.int32), q_pos,
+                            sliding_window)[:, None, None, :]
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k.astype(jnp.float32))
-        s = jnp.where(mask[:, None, None, :], s, _MASKED)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        l = l * corr + p.sum(axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, v.astype(jnp.float32))
-        return m_new, l, acc
+        return _softmax_step(carry, s, mask, lambda p: jnp.einsum(
+            "tkgc,tckd->tkgd", p, v.astype(jnp.float32)))
 
-    # Padding sequences have kv_len 0, so the loop ends at the longest live context.
+    acc = _over_chunks(body, md, page_table, chunk_pages, chunk,
+                       (num_tokens, kv_heads, group), head_dim)
+    return acc.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _page_chunks(page_table: jax.Array, block_size: int, chunk_pages: int | None):
+    """The page table padded to whole chunks of ``chunk_pages`` pages (default: 256 tokens'
+    worth): (table, chunk_pages, tokens per chunk)."""
+    num_pages = page_table.shape[1]
+    if chunk_pages is None:
+        chunk_pages = max(1, 256 // block_size)
+    chunk_pages = min(chunk_pages, num_pages)
+    pad = (-num_pages) % chunk_pages
+    if pad:
+        page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
+    return page_table, chunk_pages, chunk_pages * block_size
+
+
+def _causal_mask(k_pos: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """[..., C]: key position k_pos visible from query position q_pos (causal by absolute
+    position, within the sliding window if any)."""
+    mask = k_pos <= q_pos[..., None]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos[..., None] - sliding_window
+    return mask
+
+
+def _softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
+    """One chunk of the online softmax: scores ``s`` [..., C] under ``mask``; ``pv(p)`` is the
+    chunk's probabilities times its values."""
+    m, l, acc = carry
+    s = jnp.where(mask, s, _MASKED)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv(p)
+
+
+def _over_chunks(body, md: AttentionMetadata, page_table: jax.Array, chunk_pages: int,
+                 chunk: int, rows: tuple[int, ...], head_dim: int) -> jax.Array:
+    """Run ``body`` over the chunks of pages up to the longest live context (padding rows have
+    kv_len 0) and normalise: the attention output [*rows, head_dim] in float32."""
     max_kv = jnp.max(md.kv_lens)
     num_chunks = jnp.minimum((max_kv + chunk - 1) // chunk, page_table.shape[1] // chunk_pages)
-    init = (
-        jnp.full((num_tokens, kv_heads, group), _MASKED, jnp.float32),
-        jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32),
-    )
+    init = (jnp.full(rows, _MASKED, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros(rows + (head_dim,), jnp.float32))
     if page_table.shape[1] == chunk_pages:  # one chunk covers every context: no loop to compile
         _, l, acc = body(0, init)
     else:
         _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def reference_q_block(num_tokens: int, num_seqs: int) -> int:
+    """Query-tile size of ``ragged_paged_attention_tiled`` for a (tokens, sequences) bucket: the
+    mean tokens per sequence rounded down to a power of two (1 when every sequence brings one
+    token, i.e. plain decoding, where per-token gathers are already per-sequence)."""
+    per_seq = max(1, num_tokens // max(1, num_seqs))
+    return 1 << (per_seq.bit_length() - 1)
+
+
+def ragged_paged_attention_tiled(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    layer: jax.Array | int,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    q_block: int | None = None,
+    chunk_pages: int | None = None,
+) -> jax.Array:
+    """Pure-jnp attention that reads each sequence's pages once per query tile, not per token.
+
+    The per-token reference gathers a sequence's K/V once for every one of its new tokens: a
+    γ+1-token verification window reads the context γ+1 times, a P-token prefill chunk P times,
+    and on CPU that gather is most of the step. Here the new tokens are cut into the Pallas
+    kernel's query tiles (``_tile_plan``: ``q_block`` tokens of one sequence each, at most
+    ``ceil(T / q_block) + S`` tiles), each tile gathers its sequence's pages once per chunk of
+    ``chunk_pages`` pages and attends for all its tokens, with the same online softmax and the
+    same causal-by-absolute-position mask as the reference. This is what the ``reference``
+    backend runs (CPU, TPU, GPUs without Pallas); the per-token function stays as the oracle.
+
+    ``q_block`` defaults to ``reference_q_block(T, S)``; with 1 this is the per-token reference.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, num_pages = md.page_table.shape
+    if q_block is None:
+        q_block = reference_q_block(num_tokens, num_seqs)
+    if q_block <= 1:
+        return ragged_paged_attention_reference(q, k_pool, v_pool, layer, md, sm_scale=sm_scale,
+                                                sliding_window=sliding_window,
+                                                chunk_pages=chunk_pages)
+    block_size, kv_heads = k_pool.shape[2], k_pool.shape[3]
+    group = num_heads // kv_heads
+    page_table, chunk_pages, chunk = _page_chunks(md.page_table, block_size, chunk_pages)
+    tile_seq, tile_q_start, _, _, token_tile, token_row = _tile_plan(
+        md, num_tokens, q_block, block_size, sliding_window)
+    num_tiles = tile_seq.shape[0]
+    # tile rows -> flat tokens; rows past their sequence's end are masked out entirely
+    q_idx = tile_q_start[:, None] + jnp.arange(q_block, dtype=jnp.int32)[None, :]
+    row_live = q_idx < md.cu_q_lens[tile_seq + 1][:, None]
+    q_idx = jnp.minimum(q_idx, num_tokens - 1)
+    q_pos = jnp.where(row_live, md.positions[q_idx], -1)  # [tiles, qb]; -1 sees no key
+    qf = q.astype(jnp.float32)[q_idx] * sm_scale  # [tiles, qb, H, D]
+    qf = qf.reshape(num_tiles, q_block, kv_heads, group, head_dim)
+    tile_pages = page_table[tile_seq]  # [tiles, padded pages]
+
+    def body(c, carry):
+        pages = jax.lax.dynamic_slice_in_dim(tile_pages, c * chunk_pages, chunk_pages, axis=1)
+        k = k_pool[layer, pages].reshape(num_tiles, chunk, kv_heads, head_dim)  # no layer copy
+        v = v_pool[layer, pages].reshape(num_tiles, chunk, kv_heads, head_dim)
+        mask = _causal_mask(c * chunk + jnp.arange(chunk, dtype=jnp.int32), q_pos,
+                            sliding_window)[:, :, None, None, :]  # [tiles, qb, 1, 1, chunk]
+        s = jnp.einsum("nqkgd,nckd->nqkgc", qf, k.astype(jnp.float32))
+        return _softmax_step(carry, s, mask, lambda p: jnp.einsum(
+            "nqkgc,nckd->nqkgd", p, v.astype(jnp.float32)))
+
+    out = _over_chunks(body, md, page_table, chunk_pages, chunk,
+                       (num_tiles, q_block, kv_heads, group), head_dim)
+    out = out[token_tile, token_row]  # back to token order: [T, kvh, g, D]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 

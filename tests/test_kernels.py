@@ -29,6 +29,8 @@ from pallas_kernels.ragged_paged_attention import (
     AttentionMetadata,
     ragged_paged_attention,
     ragged_paged_attention_reference,
+    ragged_paged_attention_tiled,
+    reference_q_block,
 )
 
 T, S = 48, 5  # flat tokens, sequence rows
@@ -154,6 +156,48 @@ def test_attention_kernel_q_block_is_a_parameter():
         np.testing.assert_allclose(np.asarray(out)[:live], np.asarray(ref)[:live], atol=1e-5)
 
 
+@functools.lru_cache(maxsize=None)
+def _tiled_fn(name, q_block):
+    kvh, group, head_dim, block_size, pages, dtype, window = CASES[name]
+    return jax.jit(lambda q, k, v, layer, md: ragged_paged_attention_tiled(
+        q, k, v, layer, md, sm_scale=head_dim ** -0.5, sliding_window=window, q_block=q_block,
+        chunk_pages=2))
+
+
+@pytest.mark.parametrize("name", ["gqa1-d64-bs16-f32", "gqa8-d64-bs8-f32",
+                                  "gqa3-d64-bs4-window-f32", "gqa2-d64-bs16-bf16"])
+def test_tiled_attention_matches_per_token_reference(name):
+    """The path the ``reference`` backend runs (one K/V gather per query tile) against the
+    per-token oracle, over ragged batches of decode, verification and prefill rows; several
+    chunks of pages (chunk_pages=2) so the online softmax crosses chunk boundaries."""
+    _, ref = _fns(name)
+    dtype = CASES[name][5]
+    default = reference_q_block(T, S)
+    assert default == 8  # 48 tokens over 5 rows: tiles of 8
+    fns = [_tiled_fn(name, qb) for qb in (default, 3)]
+
+    @settings(max_examples=8, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(ragged_batches(name))
+    def check(batch):
+        q, k, v, md, live = _make_inputs(name, *batch)
+        layer = jnp.asarray(1, jnp.int32)
+        expect = np.asarray(ref(q, k, v, layer, md).astype(jnp.float32))[:live]
+        for fn in fns:
+            out = np.asarray(fn(q, k, v, layer, md).astype(jnp.float32))[:live]
+            np.testing.assert_allclose(out, expect, atol=TOL[dtype], rtol=0)
+
+    check()
+
+
+def test_reference_q_block():
+    assert reference_q_block(32, 32) == 1  # plain decoding: per-token gathers are per-sequence
+    assert reference_q_block(256, 32) == 8
+    assert reference_q_block(160, 32) == 4
+    assert reference_q_block(256, 2) == 128
+    assert reference_q_block(8, 16) == 1
+
+
 # ----------------------------------------------------------------------------- migration
 MIG_SHAPE = (3, 24, 4, 2, 64)  # layers, blocks, block size, kv heads, head_dim
 
@@ -239,7 +283,7 @@ def test_backend_resolution_on_cpu(monkeypatch):
 
 
 def test_backend_functions():
-    assert backend.attention_fn("reference") is ragged_paged_attention_reference
+    assert backend.attention_fn("reference") is ragged_paged_attention_tiled
     assert backend.attention_fn("interpret").keywords == {"interpret": True}
     with pytest.raises(ValueError, match="resolve"):
         backend.attention_fn("auto")
