@@ -27,8 +27,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--tokenizer", metavar="DIR",
                         help="tokenizer directory (default: the target's)")
     models.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                        help="parameter and KV-cache dtype; auto = float32 on CPU, bfloat16 on "
-                             "accelerators (default: %(default)s)")
+                        help="parameter and KV-cache dtype; auto = bfloat16, except float32 on "
+                             "a CPU backend without the bf16 flag jspec sets (JSPEC_CPU_BF16=off "
+                             "or an accelerator plugin installed; see jspec/platform.py) "
+                             "(default: %(default)s)")
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:

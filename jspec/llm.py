@@ -12,12 +12,16 @@ from jspec.sampling_params import SamplingParams
 
 
 def load_model(path: str | os.PathLike, dtype: str, name: str):
-    """A HF checkpoint directory -> LoadedModel (params on the default device)."""
+    """A HF checkpoint directory -> LoadedModel (params on the default device). ``dtype`` is
+    'bfloat16' or 'float32' (``jspec.config.resolve_dtype``); a bfloat16 that is slow on this CPU
+    backend warns (``jspec.platform.warn_if_slow_cpu_bf16``)."""
     import jax.numpy as jnp
 
+    from jspec.platform import warn_if_slow_cpu_bf16
     from jspec.runner import LoadedModel
     from models.loader import load_checkpoint
 
+    warn_if_slow_cpu_bf16(dtype, stacklevel=2)
     cfg, params = load_checkpoint(path, dtype=jnp.bfloat16 if dtype == "bfloat16"
                                   else jnp.float32)
     return LoadedModel(cfg=cfg, params=params, name=name)
@@ -33,6 +37,7 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
     from jspec.config import resolve_dtype
     from jspec.default_models import cache_dir, default_pair
     from jspec.engine import LLMEngine
+    from jspec.platform import warn_if_slow_cpu_bf16
     from jspec.runner import LoadedModel, enable_persistent_compilation_cache
     from models.loader import load_tokenizer
 
@@ -45,6 +50,9 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         target, draft = default_pair()
     policy_options = engine_kwargs.pop("policy_options", None) or {}
     config = EngineConfig(policy_options=tuple(sorted(policy_options.items())), **engine_kwargs)
+    # an explicit bfloat16 on a CPU backend started without jspec.platform's flag: warn once
+    # ("auto" resolves to float32 there)
+    warn_if_slow_cpu_bf16(config.dtype, stacklevel=2)
     dtype = resolve_dtype(config.dtype)
     # models already in memory (random-weight benchmark models) come as LoadedModels
     if isinstance(target, LoadedModel) and tokenizer is None:

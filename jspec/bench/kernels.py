@@ -15,6 +15,11 @@ roofline is the copy bandwidth above; the goal is >= 70%).
 Implementations timed: ``reference`` always; ``pallas`` where the backend resolves to it (a GPU);
 ``interpret`` only with ``--interpret`` (the interpreter runs the kernel as ordinary XLA ops, so
 its times say nothing about the kernel on a GPU: it is there to check the harness on CPU).
+
+Every timed implementation is also checked on the point it is timed on: attention against the
+per-token jnp oracle (``ragged_paged_attention_reference``; ``max_abs_err`` in the results), a
+migration against the same copy done by numpy on the host (``exact``: must be bit-identical).
+``measure`` returns the results that ``run`` prints and writes as JSON.
 """
 
 from __future__ import annotations
@@ -94,13 +99,65 @@ def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype,
     return q, k, v, md, kv_bytes
 
 
-def run(args: argparse.Namespace) -> int:
+def attention_points(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """(batch, q_len, context) of every attention row: the grid, then one prefill per context."""
+    points = [(b, q, c) for c in args.contexts for b in args.batch_sizes for q in args.query_lens]
+    if args.prefill:
+        points += [(1, min(args.prefill, c), c) for c in args.contexts]
+    return points
+
+
+def migration_case(layers: int, blocks: int, block_size: int, dtype, seed: int = 0):
+    """Random K and V pools of ``2 * blocks + 1`` blocks and the plan moving blocks
+    ``blocks+1 .. 2*blocks`` onto ``1 .. blocks`` (padded to its bucket)."""
     import jax
     import jax.numpy as jnp
+
+    from pallas_kernels.kv_migration import pad_pairs, validate_pairs
+
+    kvh, d = ATTN_SHAPE["kv_heads"], ATTN_SHAPE["head_dim"]
+    num_blocks = 2 * blocks + 1
+    shape = (layers, num_blocks, block_size, kvh, d)
+    pairs = validate_pairs([(blocks + 1 + i, 1 + i) for i in range(blocks)], num_blocks)
+    kk, kv = jax.random.split(jax.random.key(seed))
+    k = jax.random.normal(kk, shape, jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, shape, jnp.float32).astype(dtype)
+    return k, v, pairs, jnp.asarray(pad_pairs(pairs, blocks))
+
+
+def _migration_is_exact(fn, k, v, pairs, padded) -> bool:
+    """Whether ``fn`` moves the blocks exactly as numpy does (on copies: ``fn`` donates)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    got_k, got_v = fn(jnp.array(k, copy=True), jnp.array(v, copy=True), padded)
+    for pool, got in ((k, got_k), (v, got_v)):
+        expected = np.array(pool)
+        expected[:, pairs[:, 1]] = expected[:, pairs[:, 0]]
+        if not np.array_equal(np.asarray(got), expected):
+            return False
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    results = measure(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Time (and check) every implementation over the grid of ``args``, print the tables and
+    return the results (the JSON of ``--json``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
     from tqdm.auto import tqdm
 
     from pallas_kernels import backend as kb
-    from pallas_kernels.kv_migration import pad_pairs, validate_pairs
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
     if args.small:
         args.batch_sizes, args.query_lens, args.contexts = [1, 2], [1, 4], [64]
@@ -128,29 +185,32 @@ def run(args: argparse.Namespace) -> int:
     print(f"device copy bandwidth: {peak / 1e9:.1f} GB/s (read + write of a {copy_mib} MiB "
           "array)")
 
-    points = [(b, q, c) for c in args.contexts for b in args.batch_sizes for q in args.query_lens]
-    if args.prefill:
-        points += [(1, min(args.prefill, c), c) for c in args.contexts]
+    points = attention_points(args)
     results = {"platform": kb.platform(), "backend": resolved, "dtype": args.dtype,
                "copy_bandwidth_gbps": peak / 1e9, "attention": [], "migration": []}
     scale = ATTN_SHAPE["head_dim"] ** -0.5
+    oracle = jax.jit(lambda qa, k, v, md: ragged_paged_attention_reference(qa, k, v, 0, md,
+                                                                           sm_scale=scale))
     for b, q, c in tqdm(points, desc="attention", leave=False):
         qa, k, v, md, kv_bytes = attention_case(b, q, c, args.block_size, dtype)
+        expected = np.asarray(oracle(qa, k, v, md), np.float32)
         row = {"batch": b, "q_len": q, "context": c, "kv_bytes": kv_bytes}
         for name, fn in impls.items():
             f = jax.jit(lambda qa, k, v, md, fn=fn: fn(qa, k, v, 0, md, sm_scale=scale))
             seconds = _best(lambda: f(qa, k, v, md), args.repeats)
+            err = np.abs(np.asarray(f(qa, k, v, md), np.float32) - expected).max()
             row[name] = {"ms": seconds * 1e3, "gbps": kv_bytes / seconds / 1e9,
-                         "roofline": kv_bytes / seconds / peak}
+                         "roofline": kv_bytes / seconds / peak, "max_abs_err": float(err)}
         results["attention"].append(row)
-        del qa, k, v
+        del qa, k, v, expected
 
     names = list(impls)
-    print("\nattention, one layer (ms | GB/s of KV read | fraction of copy bandwidth)")
-    print(f"  {'B':>4} {'q':>4} {'ctx':>6}" + "".join(f" {n:>28}" for n in names))
+    print("\nattention, one layer (ms | GB/s of KV read | fraction of copy bandwidth | max "
+          "|error| against the per-token oracle)")
+    print(f"  {'B':>4} {'q':>4} {'ctx':>6}" + "".join(f" {n:>38}" for n in names))
     for row in results["attention"]:
         cells = "".join(f" {row[n]['ms']:>9.3f} |{row[n]['gbps']:>7.1f} |{row[n]['roofline']:>6.0%}"
-                        for n in names)
+                        f" |{row[n]['max_abs_err']:>8.1e}" for n in names)
         print(f"  {row['batch']:>4} {row['q_len']:>4} {row['context']:>6}{cells}")
 
     # migration
@@ -161,13 +221,12 @@ def run(args: argparse.Namespace) -> int:
         mig_impls["interpret"] = kb.migration_fn("interpret")
     kvh, d = ATTN_SHAPE["kv_heads"], ATTN_SHAPE["head_dim"]
     for n in args.migrate_blocks:
-        num_blocks = 2 * n + 1
-        shape = (args.layers, num_blocks, args.block_size, kvh, d)
-        pairs = validate_pairs([(n + 1 + i, 1 + i) for i in range(n)], num_blocks)
-        pairs = jnp.asarray(pad_pairs(pairs, n))
+        k0, v0, plan, pairs = migration_case(args.layers, n, args.block_size, dtype)
+        shape = k0.shape
         moved = 2 * 2 * args.layers * n * args.block_size * kvh * d * dtype.itemsize  # r+w, K+V
         row = {"blocks": n, "bytes_moved": moved}
         for name, fn in mig_impls.items():
+            exact = _migration_is_exact(fn, k0, v0, plan, pairs)
             state = {"k": jnp.zeros(shape, dtype), "v": jnp.ones(shape, dtype)}
 
             def call(fn=fn, state=state):
@@ -176,18 +235,15 @@ def run(args: argparse.Namespace) -> int:
 
             seconds = _best(call, args.repeats)
             row[name] = {"ms": seconds * 1e3, "gbps": moved / seconds / 1e9,
-                         "roofline": moved / seconds / peak}
+                         "roofline": moved / seconds / peak, "exact": exact}
         results["migration"].append(row)
+        del k0, v0
     print(f"\nKV migration, {args.layers} layers, K and V (ms | GB/s read+write | fraction of "
-          "copy bandwidth)")
+          "copy bandwidth | result bit-identical to a numpy copy)")
     names = list(mig_impls)
-    print(f"  {'blocks':>6}" + "".join(f" {n:>28}" for n in names))
+    print(f"  {'blocks':>6}" + "".join(f" {n:>34}" for n in names))
     for row in results["migration"]:
         cells = "".join(f" {row[n]['ms']:>9.3f} |{row[n]['gbps']:>7.1f} |{row[n]['roofline']:>6.0%}"
-                        for n in names)
+                        f" |{'yes' if row[n]['exact'] else 'NO':>4}" for n in names)
         print(f"  {row['blocks']:>6}{cells}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
+    return results

@@ -156,6 +156,14 @@ def _format_table(results, args) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    measure(args)
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Time the grid of ``args`` for every dtype and model, print the tables, and return what
+    was measured: ``{"bandwidth_start", "bandwidth_end"}`` (bytes/s) and ``"runs"``, one per
+    (dtype, model): ``{"dtype", "model", "config", "weight_bytes", "seconds": {(B, q): s}}``."""
     import jax.numpy as jnp
 
     from models.config import ModelConfig
@@ -196,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"load average at start: {_load()}")
 
     measured: dict[tuple[str, str], dict] = {}
+    runs = []
     for dtype_name in args.dtypes:
         dtype = jnp.dtype(DTYPES[dtype_name])
         for model in args.models:
@@ -205,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
             results = time_grid(cfg, params, dtype, args)
             del params
             measured[dtype_name, model] = results
+            runs.append({"dtype": dtype_name, "model": model, "config": cfg,
+                         "weight_bytes": weight_bytes, "seconds": results})
             print()
             print(f"[{dtype_name}] {model}: {weight_bytes / 1e6:.1f} MB of weights read per step")
             for line in _format_table(results, args):
@@ -216,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"memory read bandwidth at end: {bandwidth_end / 1e9:.1f} GB/s (start: "
           f"{bandwidth / 1e9:.1f} GB/s; the shares above use the start value)")
     print(f"load average at end: {_load()} (other processes on the machine skew the numbers)")
-    return 0
+    return {"bandwidth_start": bandwidth, "bandwidth_end": bandwidth_end, "runs": runs}
 
 
 def _load() -> str:
@@ -244,5 +255,6 @@ def _print_draft_ratios(measured, args) -> None:
     for dtype_name in args.dtypes:
         if (dtype_name, "target") in measured and (dtype_name, "draft") in measured:
             t, d = measured[dtype_name, "target"], measured[dtype_name, "draft"]
-            row = ", ".join(f"B={b}: {t[b, 1] / d[b, 1]:.1f}x" for b in args.batch_sizes)
-            print(f"[{dtype_name}] measured target/draft step-time ratio at q=1: {row}")
+            q = 1 if 1 in args.query_lens else min(args.query_lens)  # decode, when timed
+            row = ", ".join(f"B={b}: {t[b, q] / d[b, q]:.1f}x" for b in args.batch_sizes)
+            print(f"[{dtype_name}] measured target/draft step-time ratio at q={q}: {row}")
