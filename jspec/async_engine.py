@@ -8,12 +8,15 @@ through ``loop.call_soon_threadsafe`` into one asyncio queue per request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from jspec.engine import LLMEngine
+from jspec.engine_info import EngineLimits, EngineStats
 from jspec.outputs import RequestOutput
 from jspec.sampling_params import SamplingParams
+from policies.base import StepOutcome
 
 
 class AsyncLLMEngine:
@@ -79,6 +82,42 @@ class AsyncLLMEngine:
     @property
     def num_unfinished(self) -> int:
         return self.engine.num_unfinished_requests + len(self._new)
+
+    # ------------------------------------------------------------------ what the server reads
+    # The engine's read-only surface (LLMEngine's accessors), so callers never touch
+    # ``self.engine``'s internals. Safe from any thread: each is a read of fixed or whole values.
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    def stats(self) -> EngineStats:
+        """``LLMEngine.stats()``, with the requests handed to the engine thread but not yet
+        added to its queue counted as waiting."""
+        stats = self.engine.stats()
+        pending = len(self._new)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending) \
+            if pending else stats
+
+    def validate_request(self, prompt: str | list[int], sampling_params: SamplingParams
+                         ) -> list[int]:
+        """Tokenize and check a request as ``generate`` would (ValueError names the problem)."""
+        return self.engine.validate_request(prompt, sampling_params)
+
+    def save_policy_state(self, path: str) -> None:
+        """Write the policy's learned state; call it once the engine is shut down (or idle)."""
+        self.engine.save_policy_state(path)
+
+    def add_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
+        """Call ``fn(outcome)`` after every engine step, on the engine thread: it must be quick
+        and thread-safe, and an exception from it fails the engine loop."""
+        self.engine.add_step_listener(fn)
+
+    def remove_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
+        self.engine.remove_step_listener(fn)
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._lock:

@@ -20,6 +20,8 @@ COMMANDS = {
 BENCHMARKS = {
     "model-step": ("jspec.bench.model_step", "forward step time over batch x tokens per sequence"),
     "overhead": ("jspec.bench.overhead", "host-side overhead per engine step"),
+    "step": ("jspec.bench.step", "engine step vs the bare target forward and draft loop, per "
+             "stage, decode and prefill"),
     "pair": ("jspec.bench.pair", "acceptance and cost of a target/draft pair on held-out code"),
     "kernels": ("jspec.bench.kernels", "Pallas kernels vs references vs the bandwidth roofline"),
     "serving": ("jspec.bench.serving", "online serving: policies side by side on a workload "

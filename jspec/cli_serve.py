@@ -134,5 +134,5 @@ def run(args: argparse.Namespace) -> int:
     server = Server(options, load_engine, host=args.host, port=args.port)
     engine = asyncio.run(server.run(handle_signals=True))
     if engine is not None and args.policy_state:
-        engine.engine.save_policy_state(args.policy_state)
+        engine.save_policy_state(args.policy_state)
     return 0

@@ -95,6 +95,20 @@ class ResolvedConfig:
                 return b
         raise ValueError(f"{n} sequences exceed max_num_seqs={self.engine.max_num_seqs}")
 
+    def verify_tokens(self, num_tokens: int, num_rows: int, gamma: int, has_prefill: bool
+                      ) -> int:
+        """Token width of a verify batch. A decode-only step of ``num_rows`` rows (a sequence
+        bucket) at γ bucket ``gamma`` is exactly num_rows * (1 + gamma) wide, so decoding needs
+        one verify executable per (rows, γ) instead of one per token bucket too; a step that
+        carries prefill rounds up to a token bucket and runs at the widest row bucket. That is
+        what keeps start-up compilation short (``ModelRunner.bucket_plan``)."""
+        if has_prefill:
+            return self.token_bucket(num_tokens)
+        if num_tokens > num_rows * (1 + gamma):
+            raise ValueError(f"{num_tokens} decode tokens exceed {num_rows} rows x "
+                             f"(1 + γ={gamma})")
+        return num_rows * (1 + gamma)
+
     def token_bucket(self, n: int) -> int:
         for b in self.token_buckets:
             if b >= n:

@@ -15,8 +15,14 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
+        # A fast (Rust) tokenizer decodes without transformers' per-call argument handling,
+        # which costs several times the decode itself; with clean-up off the text is the same.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._raw_decode = getattr(backend, "decode", None)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._raw_decode is not None:
+            return self._raw_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
 

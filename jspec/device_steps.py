@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampler import SamplingTensors, row_uniforms, sample_draft_tokens
+from jspec.sampler import (SamplingTensors, rejection_sample, row_uniforms, sample_draft_tokens,
+                           sample_tokens)
 from models.config import ModelConfig
 from models.transformer import KVCache, ModelInput, forward
 from pallas_kernels.pytree import array_dataclass
@@ -46,6 +47,7 @@ def draft_loop(
     cfg: ModelConfig,
     num_steps: int,
     attention_fn,
+    with_stats: bool = True,
 ):
     """Draft up to ``num_steps`` tokens per sequence.
 
@@ -57,6 +59,10 @@ def draft_loop(
 
     A token j is drafted iff j < γ_i, the product of the confidences of the tokens before it is
     ≥ stop_confidence_i, and the entropy of its distribution is ≤ stop_entropy_i.
+
+    ``with_stats`` (static): compute confidence and entropy (two full-vocabulary reductions per
+    drafted token) and apply the stop rules. Only policies that stop drafts early or ``select``
+    read them; for the others the loop drafts exactly γ_i tokens and returns zeros there.
     """
     num_rows = gammas.shape[0]
     vocab = cfg.vocab_size
@@ -65,6 +71,9 @@ def draft_loop(
     def draft_one(logits, k, active, cum_conf):
         tokens = sample_draft_tokens(logits, st, jax.lax.dynamic_index_in_dim(uniforms, k, 1,
                                                                                keepdims=False))
+        if not with_stats:
+            zero = jnp.zeros((num_rows,), jnp.float32)
+            return tokens, zero, zero, active & (k < gammas)
         logq = jax.nn.log_softmax(logits, axis=-1)
         entropy = -(jnp.exp(logq) * logq).sum(-1)
         conf = jnp.exp(jnp.take_along_axis(logq, tokens[:, None], axis=-1)[:, 0])
@@ -133,6 +142,24 @@ def verify_forward(
         draft_tokens.reshape(-1), mode="drop")
     batch = ModelInput(input_ids, batch.attn, batch.logits_indices)
     return forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
+
+
+def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: SamplingTensors,
+                      draft_tokens: jax.Array | None = None,
+                      draft_slots: jax.Array | None = None,
+                      draft_logits: jax.Array | None = None,
+                      num_drafted: jax.Array | None = None, *, cfg: ModelConfig, attention_fn):
+    """A decode-only step's verification in one call: the target forward, then rejection
+    sampling of the drafts or, without drafts (γ = 0: no draft arguments at all), plain
+    sampling. Returns (VerifyResult, logits, kv); the logits stay on device for the policy's
+    signals. Steps that carry prefill run the forward and the sampling as two executables
+    instead (compiled per token bucket, the sampling graph would multiply the compile time)."""
+    if draft_tokens is None:
+        logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
+        return sample_tokens(logits, st), logits, kv
+    logits, kv = verify_forward(params, kv, batch, draft_tokens, draft_slots, cfg=cfg,
+                                attention_fn=attention_fn)
+    return rejection_sample(logits, draft_logits, draft_tokens, num_drafted, st), logits, kv
 
 
 def catch_up(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,

@@ -11,7 +11,7 @@ import itertools
 import json
 import os
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
 import numpy as np
@@ -20,6 +20,7 @@ from jspec import input_batch as ib
 from jspec.block_manager import BlockManager
 from jspec.config import EngineConfig, gamma_bucket, gamma_buckets, resolve
 from jspec.detokenizer import IncrementalDetokenizer, find_stop
+from jspec.engine_info import EngineLimits, EngineStats
 from jspec.jsonfile import read_json
 from jspec.metrics import EngineMetrics
 from jspec.outputs import RequestOutput, SpecStats
@@ -27,6 +28,7 @@ from jspec.runner import LoadedModel, ModelRunner
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler import Scheduler, SchedulerConfig
 from jspec.sequence import Sequence, SequenceStatus
+from jspec.step_state import StageClock, StepState
 from models.transformer import KVCache
 from policies import BatchView, DraftStats, Policy, StepOutcome, make_policy
 from policies.profile import StepProfile, model_signature
@@ -89,7 +91,18 @@ class LLMEngine:
             lookahead_slots=max(self.policy.possible_gammas()),
             enable_chunked_prefill=config.enable_chunked_prefill,
         ), self.block_manager)
-        self.runner = ModelRunner(target, draft, self.rc, self.gamma_buckets, kv_dtype)
+        self.synthetic = None
+        runner_cls = ModelRunner
+        if config.synthetic_acceptance is not None and draft is not None:
+            from jspec.synthetic import parse_acceptance, synthetic_runner
+
+            self.synthetic = parse_acceptance(config.synthetic_acceptance, seed=config.seed)
+            runner_cls = synthetic_runner(ModelRunner)
+        self.runner = runner_cls(target, draft, self.rc, self.gamma_buckets, kv_dtype,
+                                 signals=self.policy.signals if draft is not None else (),
+                                 draft_stats=self.policy.wants_draft_stats)
+        if self.synthetic is not None:
+            self.runner.acceptance = self.synthetic
         self.target, self.draft = target, draft
         self.metrics = EngineMetrics(max_gamma=self.max_gamma)
         self.eos_token_ids = set(target.cfg.eos_token_ids)
@@ -100,11 +113,10 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._pending_outputs: list[RequestOutput] = []
         self.last_outcome: StepOutcome | None = None
-        self.synthetic = None
-        if config.synthetic_acceptance is not None and draft is not None:
-            from jspec.synthetic import parse_acceptance
-
-            self.synthetic = parse_acceptance(config.synthetic_acceptance, seed=config.seed)
+        self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
+        self._step_listeners: list[Callable[[StepOutcome], None]] = []
+        # benchmarks: sync between device stages so StepOutcome.stage_times splits them exactly
+        self.time_stages = False
         # Streaming callers want every step's deltas; offline generation only the finished
         # requests, and skipping the per-step outputs trims host time per step.
         self.stream_outputs = True
@@ -208,141 +220,171 @@ class LLMEngine:
         return self.scheduler.num_waiting + self.scheduler.num_running
 
     # ------------------------------------------------------------------ the step
+    def add_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
+        """Call ``fn(outcome)`` after every step that ran (on the engine's thread)."""
+        # the list is replaced, never changed in place: a step iterating the old one is unharmed
+        self._step_listeners = self._step_listeners + [fn]
+
+    def remove_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
+        listeners = list(self._step_listeners)
+        listeners.remove(fn)
+        self._step_listeners = listeners
+
     def step(self) -> list[RequestOutput]:
-        t_start = time.perf_counter()
+        clock = StageClock(sync=self.time_stages)
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted)
         if not sched.scheduled:
             return outputs
-        rows = [ib.RowWork(s.seq, s.num_new_tokens, s.is_decode, s.samples, s.num_lookahead_slots)
-                for s in sched.scheduled]
-        decode_idx = [i for i, r in enumerate(rows) if r.is_decode]
-        decode_rows = [rows[i] for i in decode_idx]
-        num_prefill_tokens = sum(r.num_new_tokens for r in rows if not r.is_decode)
-        view = self._batch_view(rows, decode_rows, num_prefill_tokens)
-        plan = None
-        if decode_rows and self.draft is not None:
-            t_policy = time.perf_counter()
-            plan = self.policy.plan(view)
-            self.metrics.policy_time += time.perf_counter() - t_policy
-            self.metrics.policy_calls += 1
-            if len(plan.gammas) != len(decode_rows):
-                raise RuntimeError(f"policy {self.policy.name!r} planned {len(plan.gammas)} "
-                                   f"draft lengths for {len(decode_rows)} decoding sequences")
-            for row, gamma in zip(decode_rows, plan.gammas):
-                req = self._requests[row.seq.request_id]
-                # never draft past the request's last token or the reserved KV slots
-                room = req.max_tokens - row.seq.num_output_tokens - 1
-                row.gamma = int(max(0, min(int(gamma), room, row.lookahead)))
-        max_gamma = max((r.gamma for r in decode_rows), default=0)
-        gamma = gamma_bucket(self.gamma_buckets, max_gamma)
-        num_rows = self.rc.seq_bucket(len(rows))
-        table = ib.page_tables(rows, num_rows, self.rc.max_pages, self.block_manager)
-        st = ib.sampling_tensors(rows, num_rows)
-
-        # -- draft: catch up on lagging KV, then the on-device draft loop
-        catch_up_time = draft_time = 0.0
-        catch_up_tokens = 0
-        draft = None
-        if gamma > 0:
-            catch_up_time, catch_up_tokens = self._catch_up(rows, table)
-            draft, num_drafted, draft_time = self._draft(rows, decode_idx, decode_rows, view,
-                                                         plan, gamma, num_rows, table, st)
-
-        # -- verify: one target pass over the ragged batch, rejection sampling on device
-        num_tokens = sum((1 + r.gamma) if r.is_decode else r.num_new_tokens for r in rows)
-        batch, slots = ib.verify_input(rows, self.rc.token_bucket(num_tokens), num_rows, gamma,
-                                       table)
-        if draft is None:
-            vocab = self.target.cfg.vocab_size
-            draft_tokens = np.zeros((num_rows, 0), np.int32)
-            draft_logits = np.zeros((num_rows, 0, vocab), np.float32)
-            num_drafted = np.zeros(num_rows, np.int32)
-        else:
-            draft_tokens, draft_logits = draft.tokens, draft.logits
-        t0 = time.perf_counter()
-        result = self.runner.run_verify(batch, draft_tokens, slots, draft_logits, num_drafted,
-                                        st, gamma)
-        # the step's one host<-device transfer of results
-        result, drafted_host = jax.device_get((result, num_drafted))
-        verify_time = time.perf_counter() - t0
-        if self.synthetic is not None and draft is not None:
-            gammas = np.array([r.gamma if r.is_decode else 0 for r in rows]
-                              + [0] * (len(drafted_host) - len(rows)))
-            result = self.synthetic.apply(result, jax.device_get(draft_tokens), drafted_host,
-                                          gammas)
-
-        # -- commit
-        outputs += self._commit(rows, result, drafted_host)
-        step_time = time.perf_counter() - t_start
-        m = self.metrics
-        m.num_steps += 1
-        m.num_prefill_tokens += num_prefill_tokens
-        m.step_time += step_time
-        m.draft_time += draft_time
-        m.verify_time += verify_time
-        m.catch_up_time += catch_up_time
-        m.catch_up_tokens += catch_up_tokens
-        m.host_time += step_time - draft_time - verify_time - catch_up_time
-        if decode_rows:
-            outcome = self._outcome(view, rows, decode_idx, result, drafted_host, step_time,
-                                    draft_time, verify_time, catch_up_time, catch_up_tokens,
-                                    num_prefill_tokens, gamma)
-            m.record_spec(outcome.gammas, outcome.num_verified, outcome.num_accepted,
-                          outcome.num_emitted, outcome.batch_size)
-            t_policy = time.perf_counter()
-            self.policy.observe(outcome)
-            m.policy_time += time.perf_counter() - t_policy
-            self.last_outcome = outcome
+        clock.lap("schedule")
+        st = self._plan(sched)
+        clock.lap("plan")
+        if st.gamma:
+            self._catch_up(st)
+            clock.lap("catch_up")  # synced: its time is Nightjar's switching cost
+            self._draft(st)
+            if self.policy.wants_select:
+                self._select(st)
+            clock.lap("draft", st.num_drafted)
+        logits, result = self._verify(st)  # decode-only steps sample in the same call
+        clock.lap("verify", logits)
+        if result is None:
+            result = self.runner.run_accept(logits, st.draft_logits, st.draft_tokens,
+                                            st.num_drafted, st.sampling, st.gamma)
+        clock.lap("accept", result)
+        signals = (self.runner.run_signals(logits, st.draft_logits, st.draft_tokens, st.gamma)
+                   if st.gamma and self.runner.signals else None)
+        clock.lap("signals", signals)
+        # the step's one host<-device transfer of results (a stage of the commit; it also
+        # waits for whatever device work is still running, so it counts as verify time)
+        t_fetch = time.perf_counter()
+        result, signals, drafted = self.runner.fetch(result, signals, st.num_drafted,
+                                                     st.draft_tokens, st.row_gammas())
+        st.fetch_time = time.perf_counter() - t_fetch
+        outputs += self._commit(st, result, drafted)
+        clock.lap("commit")
+        self._observe(st, result, signals, drafted, clock)
         return outputs
 
-    def _catch_up(self, rows, table) -> tuple[float, int]:
+    def _plan(self, sched) -> StepState:
+        """The step's rows, the policy's plan (γ per decoding row, clipped), the γ bucket and
+        the host-side tensors every device call of the step shares."""
+        rows = [ib.RowWork(s.seq, s.num_new_tokens, s.is_decode, s.samples, s.num_lookahead_slots)
+                for s in sched.scheduled]
+        decode_idx = np.array([i for i, r in enumerate(rows) if r.is_decode], np.int64)
+        num_prefill_tokens = sum(r.num_new_tokens for r in rows if not r.is_decode)
+        # steps that carry prefill run at the widest row bucket (config.ResolvedConfig)
+        num_rows = (self.rc.seq_bucket(len(rows)) if len(decode_idx) == len(rows)
+                    else self.rc.seq_buckets[-1])
+        st = StepState(rows=rows, decode_idx=decode_idx, num_rows=num_rows,
+                       num_prefill_tokens=num_prefill_tokens)
+        st.view = self._batch_view(st)
+        if len(decode_idx) and self.draft is not None:
+            t_policy = time.perf_counter()
+            st.plan = self.policy.plan(st.view)
+            self.metrics.policy_time += time.perf_counter() - t_policy
+            self.metrics.policy_calls += 1
+            self._apply_plan(st)
+        st.gamma = gamma_bucket(self.gamma_buckets,
+                                max((r.gamma_planned for r in st.decode_rows), default=0))
+        st.table = ib.page_tables(rows, st.num_rows, self.rc.max_pages, self.block_manager)
+        st.sampling = ib.sampling_tensors(rows, st.num_rows)
+        return st
+
+    def _apply_plan(self, st: StepState) -> None:
+        plan = st.plan
+        decode_rows = st.decode_rows
+        if len(plan.gammas) != len(decode_rows):
+            raise RuntimeError(f"policy {self.policy.name!r} planned {len(plan.gammas)} "
+                               f"draft lengths for {len(decode_rows)} decoding sequences")
+        if (plan.stop_confidence is not None or plan.stop_entropy is not None) \
+                and not self.policy.wants_draft_stats:
+            raise RuntimeError(f"policy {self.policy.name!r} sets a draft stop rule but does not "
+                               f"declare draft_stops = True (the draft loop is compiled without "
+                               f"confidence and entropy)")
+        for row, gamma in zip(decode_rows, plan.gammas.tolist()):
+            req = self._requests[row.seq.request_id]
+            # never draft past the request's last token or the reserved KV slots
+            room = req.max_tokens - row.seq.num_output_tokens - 1
+            row.gamma_planned = row.gamma_verify = max(0, min(int(gamma), room, row.lookahead))
+
+    def _catch_up(self, st: StepState) -> None:
         """Feed the draft the tokens it missed while γ was 0 (or the prompt), leaving the newest
-        one for the draft loop. Returns (seconds, tokens): Nightjar's switching cost."""
-        segments = ib.catch_up_segments(rows)
+        one for the draft loop: Nightjar's switching cost."""
+        segments = ib.catch_up_segments(st.rows)
         if not segments:
-            return 0.0, 0
-        t0 = time.perf_counter()
-        num_tokens = 0
-        for chunk in ib.pack_catch_up(segments, self.rc.max_num_batched_tokens,
-                                      self.config.max_num_seqs):
+            return
+        rows = self.runner.catch_up_rows
+        for chunk in ib.pack_catch_up(segments, self.rc.max_num_batched_tokens, rows):
             n = sum(end - first for _, _, first, end in chunk)
-            num_tokens += n
-            self.runner.run_catch_up(ib.catch_up_input(
-                chunk, self.rc.token_bucket(n), self.rc.seq_bucket(len(chunk)), table))
+            st.catch_up_tokens += n
+            self.runner.run_catch_up(ib.catch_up_input(chunk, self.runner.catch_up_tokens(n),
+                                                       rows, st.table))
         for seq, _, _, end in segments:
             seq.num_draft_computed = end
         self.runner.sync_draft()
-        return time.perf_counter() - t0, num_tokens
 
-    def _draft(self, rows, decode_idx, decode_rows, view, plan, gamma, num_rows, table, st):
-        """Run the draft loop; returns (DraftResult, tokens to verify per row, seconds)."""
-        first, next_positions, gammas = ib.draft_first_input(rows, num_rows, table)
-        stop_conf = np.zeros(num_rows, np.float32)
-        stop_ent = np.full(num_rows, np.inf, np.float32)
-        if plan.stop_confidence is not None:
-            stop_conf[decode_idx] = plan.stop_confidence
-        if plan.stop_entropy is not None:
-            stop_ent[decode_idx] = plan.stop_entropy
-        t0 = time.perf_counter()
-        draft = self.runner.run_draft(first, next_positions, table, gammas, stop_conf, stop_ent,
-                                      st, gamma)
-        num_drafted = draft.num_drafted
-        if self.policy.wants_select:
-            num_drafted = self._select(view, decode_idx, decode_rows, draft)
-        else:
-            jax.block_until_ready(num_drafted)  # so draft and verify time are told apart
-        return draft, num_drafted, time.perf_counter() - t0
+    def _draft(self, st: StepState) -> None:
+        """The on-device draft loop over the step's rows."""
+        first, next_positions, gammas = ib.draft_first_input(st.rows, st.num_rows, st.table)
+        stop_conf = np.zeros(st.num_rows, np.float32)
+        stop_ent = np.full(st.num_rows, np.inf, np.float32)
+        if st.plan.stop_confidence is not None:
+            stop_conf[st.decode_idx] = st.plan.stop_confidence
+        if st.plan.stop_entropy is not None:
+            stop_ent[st.decode_idx] = st.plan.stop_entropy
+        st.draft_inputs = (first, next_positions, st.table, gammas, stop_conf, stop_ent)
+        st.draft = self.runner.run_draft(*st.draft_inputs, st.sampling, st.gamma)
+        st.num_drafted = st.draft.num_drafted
 
-    def _batch_view(self, rows, decode_rows, num_prefill_tokens) -> BatchView:
+    def _select(self, st: StepState) -> None:
+        """Let the policy trim the verify lengths after seeing the draft (one host sync)."""
+        idx = st.decode_idx
+        drafted, conf, ent = jax.device_get((st.draft.num_drafted, st.draft.confidence,
+                                             st.draft.entropy))
+        stats = DraftStats(num_drafted=drafted[idx], confidence=conf[idx],
+                           draft_entropy=ent[idx])
+        t_policy = time.perf_counter()
+        lens = self.policy.select(st.view, stats)
+        self.metrics.policy_time += time.perf_counter() - t_policy
+        if lens is None:
+            return
+        lens = np.minimum(np.maximum(np.asarray(lens, np.int64), 0), drafted[idx])
+        out = np.array(drafted, np.int32)
+        for row, i, n in zip(st.decode_rows, idx, lens.tolist()):
+            # verify only the kept prefix; the slots past it are dropped from the target batch
+            row.gamma_verify = n
+            out[i] = n
+        st.num_drafted = out
+
+    def _verify(self, st: StepState):
+        """One target pass over the ragged batch (drafts scattered in on device): (logits,
+        VerifyResult). A decode-only step samples in the same executable (one dispatch fewer
+        per step); a step carrying prefill returns no result and samples in run_accept."""
+        num_tokens = sum((1 + r.gamma_verify) if r.is_decode else r.num_new_tokens
+                         for r in st.rows)
+        st.batch, st.draft_slots = ib.verify_input(
+            st.rows, self.rc.verify_tokens(num_tokens, st.num_rows, st.gamma, st.has_prefill),
+            st.num_rows, st.gamma, st.table)
+        st.num_tokens = num_tokens
+        if st.has_prefill:
+            return self.runner.run_verify_forward(st.batch, st.draft_tokens, st.draft_slots,
+                                                  st.gamma), None
+        result, logits = self.runner.run_verify_accept(
+            st.batch, st.draft_tokens, st.draft_slots, st.draft_logits, st.num_drafted,
+            st.sampling, st.gamma)
+        return logits, result
+
+    def _batch_view(self, st: StepState) -> BatchView:
+        decode_rows = st.decode_rows
         return BatchView(
             request_ids=[r.seq.request_id for r in decode_rows],
             context_lens=np.array([r.seq.num_tokens for r in decode_rows], np.int64),
             pending_draft_tokens=np.array(
                 [r.seq.num_tokens - r.seq.num_draft_computed for r in decode_rows], np.int64),
-            batch_size=len(rows),
-            num_prefill_tokens=num_prefill_tokens,
+            batch_size=len(st.rows),
+            num_prefill_tokens=st.num_prefill_tokens,
             num_waiting=self.scheduler.num_waiting,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_usable_blocks,
@@ -350,60 +392,62 @@ class LLMEngine:
             max_gamma=self.max_gamma,
         )
 
-    def _select(self, view, idx, decode_rows, draft) -> np.ndarray:
-        drafted, conf, ent = jax.device_get((draft.num_drafted, draft.confidence, draft.entropy))
-        stats = DraftStats(num_drafted=drafted[idx], confidence=conf[idx],
-                           draft_entropy=ent[idx])
-        t_policy = time.perf_counter()
-        lens = self.policy.select(view, stats)
-        self.metrics.policy_time += time.perf_counter() - t_policy
-        if lens is None:
-            return drafted
-        lens = np.minimum(np.maximum(np.asarray(lens, np.int64), 0), drafted[idx])
-        out = np.array(drafted, np.int32)
-        for r, i, n in zip(decode_rows, idx, lens):
-            # verify only the kept prefix; the slots past it are dropped from the target batch
-            r.gamma = int(n)
-            out[i] = int(n)
-        return out
+    def _observe(self, st: StepState, result, signals, drafted, clock: "StageClock") -> None:
+        """The step's one record: to the metrics, the policy and the step listeners."""
+        outcome = self._outcome(st, result, signals, drafted, clock)
+        self.metrics.observe(outcome)
+        if outcome.num_decode and self.draft is not None:
+            t_policy = time.perf_counter()
+            self.policy.observe(outcome)
+            self.metrics.policy_time += time.perf_counter() - t_policy
+        self.last_outcome, self.last_step = outcome, st
+        for fn in self._step_listeners:
+            fn(outcome)
 
-    def _outcome(self, view, rows, decode_idx, result, drafted, step_time, draft_time,
-                 verify_time, catch_up_time, catch_up_tokens, num_prefill_tokens, gamma
+    def _outcome(self, st: StepState, result, signals, drafted, clock: "StageClock"
                  ) -> StepOutcome:
-        idx = np.array(decode_idx)
-        decode_rows = [rows[i] for i in decode_idx]
+        idx = st.decode_idx
+        decode_rows = st.decode_rows
         n = len(decode_rows)
-        gammas = np.array([r.gamma for r in decode_rows], np.int64)
-        verified = np.minimum(drafted[idx], gammas) if gamma else np.zeros(n, np.int64)
+        gamma = st.gamma
+        planned = np.array([r.gamma_planned for r in decode_rows], np.int64)
+        verify = np.array([r.gamma_verify for r in decode_rows], np.int64)
+        num_drafted = np.asarray(drafted)[idx] if gamma else np.zeros(n, np.int64)
+        verified = np.minimum(num_drafted, verify)
         accepted = np.minimum(result.num_accepted[idx], verified)
         emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
 
-        def signal(a):
+        def signal(name):
             out = np.full((n, self.max_gamma), np.nan, np.float32)
-            if gamma:
-                vals = np.asarray(a)[idx]
+            if gamma and signals is not None and name in signals:
+                vals = np.asarray(signals[name])[idx]
                 mask = np.arange(gamma)[None, :] < verified[:, None]
                 out[:, :gamma] = np.where(mask, vals, np.nan)
             return out
 
+        t = clock.times
         return StepOutcome(
-            request_ids=view.request_ids, gammas=gammas, num_drafted=np.asarray(drafted)[idx],
+            request_ids=st.view.request_ids, gammas=planned, num_drafted=num_drafted,
             num_verified=verified, num_accepted=accepted, num_emitted=emitted,
-            batch_size=len(rows), step_time=step_time, draft_time=draft_time,
-            verify_time=verify_time, catch_up_time=catch_up_time,
-            catch_up_tokens=catch_up_tokens, num_prefill_tokens=num_prefill_tokens,
-            accept_prob=signal(result.accept_prob), kl=signal(result.kl),
-            draft_entropy=signal(result.draft_entropy), confidence=signal(result.confidence))
+            batch_size=len(st.rows), step_time=clock.total,
+            draft_time=t["draft"],
+            verify_time=t["verify"] + t["accept"] + t["signals"] + st.fetch_time,
+            catch_up_time=t["catch_up"], catch_up_tokens=st.catch_up_tokens,
+            num_prefill_tokens=st.num_prefill_tokens,
+            accept_prob=signal("accept_prob"), kl=signal("kl"),
+            draft_entropy=signal("draft_entropy"), confidence=signal("confidence"),
+            stage_times=dict(t), gamma_bucket=gamma, num_tokens=st.num_tokens,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)
 
     # ------------------------------------------------------------------ commit
-    def _commit(self, rows, result, drafted) -> list[RequestOutput]:
+    def _commit(self, st: StepState, result, drafted) -> list[RequestOutput]:
         outputs = []
         now = time.perf_counter()
         # Python lists: indexing them per row is several times cheaper than numpy scalars
         accepted_all = result.num_accepted.tolist()
         tokens_all = result.tokens.tolist()
-        drafted = np.asarray(drafted).tolist()
-        for i, row in enumerate(rows):
+        drafted = np.asarray(drafted).tolist() if st.gamma else None
+        for i, row in enumerate(st.rows):
             seq = row.seq
             req = self._requests[seq.request_id]
             old_num_tokens = seq.num_tokens
@@ -412,11 +456,11 @@ class LLMEngine:
                 seq.num_computed += row.num_new_tokens
                 continue
             if row.is_decode:
-                n = min(accepted_all[i], row.gamma)
+                n = min(accepted_all[i], row.gamma_verify)
                 new_tokens = tokens_all[i][:n + 1]
                 seq.num_computed = old_num_tokens + n
-                if row.gamma > 0:
-                    d = min(drafted[i], row.gamma)
+                if row.gamma_verify > 0:
+                    d = min(drafted[i], row.gamma_verify)
                     seq.num_draft_computed = min(old_num_tokens + max(d - 1, 0),
                                                  old_num_tokens + n)
                     seq.num_drafted += d
@@ -494,3 +538,35 @@ class LLMEngine:
             metrics={"arrival_time": req.arrival_time, "first_token_time": seq.first_token_time,
                      "finish_time": req.finish_time},
         )
+
+    # ------------------------------------------------------------------ accessors (serve/, bench)
+    # The engine's read-only surface for the server, the CLI and the benchmarks (they never
+    # reach into the scheduler, the block manager or the resolved config).
+    @property
+    def limits(self) -> EngineLimits:
+        """What the engine can hold (fixed once it is built; computed on first use)."""
+        limits = self.__dict__.get("_limits")
+        if limits is None:
+            capacity = self.block_manager.num_usable_blocks * self.config.block_size
+            limits = self._limits = EngineLimits(
+                max_model_len=self.rc.max_model_len, kv_capacity_tokens=capacity,
+                context_limit=min(self.rc.max_model_len, capacity),
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.rc.max_num_batched_tokens,
+                block_size=self.config.block_size,
+                num_kv_blocks=self.block_manager.num_usable_blocks,
+                vocab_size=self.target.cfg.vocab_size, has_draft=self.draft is not None,
+                policy=self.policy.name, max_gamma=self.max_gamma,
+                gamma_buckets=tuple(self.gamma_buckets))
+        return limits
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the load, the KV cache and the counters; safe to call from another
+        thread while the engine steps (each value is read whole; see EngineStats)."""
+        total = self.block_manager.num_usable_blocks
+        free = self.block_manager.num_free_blocks
+        return EngineStats(num_running=self.scheduler.num_running,
+                           num_waiting=self.scheduler.num_waiting, kv_blocks_total=total,
+                           kv_blocks_used=total - free, kv_blocks_free=free,
+                           draft_resident=self.draft is not None,
+                           metrics=self.metrics.as_dict())

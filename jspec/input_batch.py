@@ -27,7 +27,8 @@ class RowWork:
     is_decode: bool
     samples: bool  # the chunk reaches the end of the sequence: a token is emitted
     lookahead: int = 0  # KV slots the scheduler reserved past the token: γ may not exceed it
-    gamma: int = 0  # planned draft length (decode rows only)
+    gamma_planned: int = 0  # the policy's draft length, clipped (the draft loop drafts ≤ this)
+    gamma_verify: int = 0  # draft slots in the verify batch (planned, or what select kept)
     num_emitted: int = 0  # tokens appended at commit
 
 
@@ -75,8 +76,8 @@ def verify_input(rows: list[RowWork], num_tokens: int, num_rows: int, gamma: int
     for i, row in enumerate(rows):
         firsts[i] = row.seq.num_computed
         if row.is_decode:
-            q_lens[i] = 1 + row.gamma
-            gammas[i] = row.gamma
+            q_lens[i] = 1 + row.gamma_verify
+            gammas[i] = row.gamma_verify
         else:
             q_lens[i] = row.num_new_tokens
     ends = np.cumsum(q_lens)
@@ -129,7 +130,7 @@ def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray
     gammas = np.zeros(num_rows, np.int32)
     start = 0
     for i, row in enumerate(rows):
-        if row.gamma > 0:
+        if row.gamma_planned > 0:
             seq = row.seq
             first, end = seq.num_draft_computed, seq.num_tokens
             q_len = end - first
@@ -140,7 +141,7 @@ def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray
             kv_lens[i] = end
             logits_indices[i] = start + q_len - 1
             next_positions[i] = end
-            gammas[i] = row.gamma
+            gammas[i] = row.gamma_planned
             start += q_len
         cu_q_lens[i + 1] = start
     cu_q_lens[len(rows) + 1:] = start
@@ -154,7 +155,7 @@ def catch_up_segments(rows: list[RowWork]) -> list[tuple[Sequence, int, int, int
     segments = []
     for i, row in enumerate(rows):
         seq = row.seq
-        if row.gamma > 0 and seq.num_tokens - seq.num_draft_computed > 2:
+        if row.gamma_planned > 0 and seq.num_tokens - seq.num_draft_computed > 2:
             segments.append((seq, i, seq.num_draft_computed, seq.num_tokens - 1))
     return segments
 

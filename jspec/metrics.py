@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from policies.base import batch_bucket
+from policies.base import StepOutcome, batch_bucket
 
 
 @dataclasses.dataclass
@@ -29,7 +29,7 @@ class EngineMetrics:
     verify_time: float = 0.0
     catch_up_time: float = 0.0
     catch_up_tokens: int = 0
-    host_time: float = 0.0  # step time outside device work (scheduling, batching, commit)
+    host_time: float = 0.0  # step time outside the draft / verify / catch-up stages
     policy_time: float = 0.0  # inside the policy's plan / select / observe (part of host_time)
     policy_calls: int = 0  # steps in which the policy was consulted
 
@@ -38,6 +38,24 @@ class EngineMetrics:
         self.gamma_histogram = np.zeros(self.max_gamma + 1, np.int64)
         # batch-size bucket (policies.base.batch_bucket) -> γ histogram of the steps at that load
         self.gamma_histogram_by_batch: dict[int, np.ndarray] = {}
+        self.stage_time: dict[str, float] = {}  # seconds per step stage (policies.base.STAGES)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Fold in one step's record (every step that ran, prefill-only steps included)."""
+        self.num_steps += 1
+        self.num_prefill_tokens += outcome.num_prefill_tokens
+        self.step_time += outcome.step_time
+        self.draft_time += outcome.draft_time
+        self.verify_time += outcome.verify_time
+        self.catch_up_time += outcome.catch_up_time
+        self.catch_up_tokens += outcome.catch_up_tokens
+        self.host_time += (outcome.step_time - outcome.draft_time - outcome.verify_time
+                           - outcome.catch_up_time)
+        for stage, seconds in outcome.stage_times.items():
+            self.stage_time[stage] = self.stage_time.get(stage, 0.0) + seconds
+        if outcome.num_decode:
+            self.record_spec(outcome.gammas, outcome.num_verified, outcome.num_accepted,
+                             outcome.num_emitted, outcome.batch_size)
 
     def record_spec(self, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
                     num_emitted: np.ndarray, batch_size: int = 0) -> None:
@@ -70,6 +88,7 @@ class EngineMetrics:
         out["gamma_histogram"] = self.gamma_histogram.tolist()
         out["gamma_histogram_by_batch"] = {str(b): h.tolist() for b, h in
                                            sorted(self.gamma_histogram_by_batch.items())}
+        out["stage_time"] = dict(self.stage_time)
         out["policy_time_per_step"] = self.policy_time / self.policy_calls if self.policy_calls \
             else 0.0
         out["acceptance_rate"] = self.acceptance_rate

@@ -17,12 +17,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec import device_steps
 from jspec.config import ResolvedConfig
-from jspec.sampler import SamplingTensors, rejection_sample
+from jspec.sampler import (SamplingTensors, VerifyResult, rejection_sample, sample_tokens,
+                           verify_signals)
 from models.config import ModelConfig
-from models.transformer import KVCache, ModelInput
+from models.transformer import KVCache, ModelInput, forward
 from pallas_kernels import backend as kernel_backend
 from pallas_kernels.kv_migration import pad_pairs, validate_pairs
 from pallas_kernels.ragged_paged_attention import AttentionMetadata
@@ -70,12 +72,16 @@ class LoadedModel:
 
 class ModelRunner:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, rc: ResolvedConfig,
-                 gamma_buckets: tuple[int, ...], kv_dtype):
+                 gamma_buckets: tuple[int, ...], kv_dtype, signals: tuple[str, ...] = (),
+                 draft_stats: bool = False):
         self.target = target
         self.draft = draft
         self.rc = rc
         self.gamma_buckets = gamma_buckets
         self.kv_dtype = kv_dtype
+        # what the policy reads (policies.base.Policy.signals / wants_draft_stats): compiled in
+        self.signals = tuple(sorted(signals))
+        self.draft_stats = bool(draft_stats)
         self.kernel_backend = kernel_backend.resolve(rc.engine.kernel_backend)
         self._attn = kernel_backend.attention_fn(self.kernel_backend)
         self.target_kv = KVCache.create(target.cfg, rc.num_kv_blocks, rc.engine.block_size,
@@ -105,6 +111,9 @@ class ModelRunner:
                                              self.rc.engine.block_size, self.rc.max_pages,
                                              self.kernel_backend)
         full_key = (key, model_key, geometry)
+        # One compilation at a time, process-wide: building executables on several threads at
+        # once crashed inside JAX's persistent-cache write (jax 0.10.2), and measured barely
+        # faster on two cores (XLA's compile is itself multi-threaded).
         with _compile_lock:
             exe = _EXECUTABLES.get(full_key)
             if exe is None:
@@ -141,24 +150,51 @@ class ModelRunner:
         )
 
     def verify_executable(self, num_tokens: int, num_seqs: int, gamma: int):
+        """The target forward over a ragged batch; with γ > 0 the drafted tokens are scattered
+        into their placeholder slots on device first. γ = 0 takes no draft arguments at all."""
         def build():
-            fn = functools.partial(device_steps.verify_forward, cfg=self.target.cfg,
-                                   attention_fn=self._attn)
-            specs = (
-                _spec(self.target.params), _spec(self.target_kv),
-                self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
-                jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
-                jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
-            )
+            specs = [_spec(self.target.params), _spec(self.target_kv),
+                     self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1))]
+            if gamma:
+                fn = functools.partial(device_steps.verify_forward, cfg=self.target.cfg,
+                                       attention_fn=self._attn)
+                specs += [jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32)] * 2
+            else:
+                fn = functools.partial(forward, cfg=self.target.cfg,
+                                       attention_fn=self._attn)
             return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
 
         return self._executable(("verify", num_tokens, num_seqs, gamma), self.target, build)
 
-    def accept_executable(self, num_seqs: int, gamma: int):
+    def verify_accept_executable(self, num_seqs: int, gamma: int):
+        """A decode-only step (num_seqs * (1 + γ) tokens): forward and sampling in one call."""
+        num_tokens = num_seqs * (1 + gamma)
+
         def build():
             vocab = self.target.cfg.vocab_size
+            fn = functools.partial(device_steps.verify_and_accept, cfg=self.target.cfg,
+                                   attention_fn=self._attn)
+            specs = [_spec(self.target.params), _spec(self.target_kv),
+                     self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
+                     self._sampling_spec(num_seqs)]
+            if gamma:
+                specs += [jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
+                          jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
+                          jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
+                          jax.ShapeDtypeStruct((num_seqs,), jnp.int32)]
+            return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
+
+        return self._executable(("verify_accept", num_seqs, gamma), self.target, build)
+
+    def accept_executable(self, num_seqs: int, gamma: int):
+        """Rejection sampling (γ > 0) or plain sampling (γ = 0) of the verify logits."""
+        def build():
+            vocab = self.target.cfg.vocab_size
+            logits = jax.ShapeDtypeStruct((num_seqs * (gamma + 1), vocab), jnp.float32)
+            if not gamma:
+                return jax.jit(sample_tokens).lower(logits, self._sampling_spec(num_seqs)).compile()
             specs = (
-                jax.ShapeDtypeStruct((num_seqs * (gamma + 1), vocab), jnp.float32),
+                logits,
                 jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
                 jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
                 jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
@@ -169,10 +205,24 @@ class ModelRunner:
         return self._executable(("accept", num_seqs, gamma, self.target.cfg.vocab_size), None,
                                 build)
 
+    def signals_executable(self, num_seqs: int, gamma: int):
+        """The policy's per-position signals (only built when it reads some)."""
+        def build():
+            vocab = self.target.cfg.vocab_size
+            fn = functools.partial(verify_signals, which=self.signals)
+            specs = (jax.ShapeDtypeStruct((num_seqs * (gamma + 1), vocab), jnp.float32),
+                     jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
+                     jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32))
+            return jax.jit(fn).lower(*specs).compile()
+
+        return self._executable(("signals", num_seqs, gamma, self.target.cfg.vocab_size,
+                                 self.signals), None, build)
+
     def draft_executable(self, num_seqs: int, gamma: int):
         def build():
             fn = functools.partial(device_steps.draft_loop, cfg=self.draft.cfg,
-                                   num_steps=gamma, attention_fn=self._attn)
+                                   num_steps=gamma, attention_fn=self._attn,
+                                   with_stats=self.draft_stats)
             i32, f32 = jnp.int32, jnp.float32
             s = (num_seqs,)
             specs = (
@@ -187,27 +237,72 @@ class ModelRunner:
             )
             return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
 
-        return self._executable(("draft", num_seqs, gamma), self.draft, build)
+        return self._executable(("draft", num_seqs, gamma, self.draft_stats), self.draft, build)
 
-    def catch_up_executable(self, num_tokens: int, num_seqs: int):
+    def catch_up_executable(self, num_tokens: int):
+        """Draft catch-up over ``num_tokens`` tokens. Rare (after γ = 0 stretches and prefills),
+        so one row bucket (max_num_seqs) serves every catch-up: a third of the buckets fewer."""
         def build():
             fn = functools.partial(device_steps.catch_up, cfg=self.draft.cfg,
                                    attention_fn=self._attn)
             specs = (_spec(self.draft.params), _spec(self.draft_kv),
-                     self._input_spec(num_tokens, num_seqs, 2))
+                     self._input_spec(num_tokens, self.catch_up_rows, 2))
             return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
 
-        return self._executable(("catch_up", num_tokens, num_seqs), self.draft, build)
+        return self._executable(("catch_up", num_tokens, self.catch_up_rows), self.draft, build)
+
+    @property
+    def catch_up_rows(self) -> int:
+        return self.rc.seq_buckets[-1]
+
+    @property
+    def catch_up_buckets(self) -> tuple[int, ...]:
+        """Token widths of catch-up calls: two, an eighth of the budget (a few tokens after a
+        short γ = 0 stretch) and the whole budget (a prompt): catch-up is rare, and each width
+        is an executable to compile at start-up."""
+        small = next(t for t in self.rc.token_buckets
+                     if t >= self.rc.max_num_batched_tokens // 8)
+        return tuple(sorted({small, self.rc.max_num_batched_tokens}))
+
+    def catch_up_tokens(self, num_tokens: int) -> int:
+        return next(t for t in self.catch_up_buckets if t >= num_tokens)
 
     # ------------------------------------------------------------------ running
-    def run_verify(self, batch: ModelInput, draft_tokens, draft_slots, draft_logits, num_drafted,
-                   st: SamplingTensors, gamma: int):
+    def run_verify_forward(self, batch: ModelInput, draft_tokens, draft_slots, gamma: int):
+        """Target logits [S*(γ+1), V] of the verify batch (stays on device)."""
         num_seqs = batch.attn.kv_lens.shape[0]
         forward = self.verify_executable(batch.input_ids.shape[0], num_seqs, gamma)
-        logits, self.target_kv = forward(self.target.params, self.target_kv, batch, draft_tokens,
-                                         draft_slots)
-        return self.accept_executable(num_seqs, gamma)(logits, draft_logits, draft_tokens,
-                                                       num_drafted, st)
+        args = (draft_tokens, draft_slots) if gamma else ()
+        logits, self.target_kv = forward(self.target.params, self.target_kv, batch, *args)
+        return logits
+
+    def run_verify_accept(self, batch: ModelInput, draft_tokens, draft_slots, draft_logits,
+                          num_drafted, st: SamplingTensors, gamma: int):
+        """A decode-only step's verification: (VerifyResult, logits), both on device."""
+        num_seqs = batch.attn.kv_lens.shape[0]
+        exe = self.verify_accept_executable(num_seqs, gamma)
+        drafts = (draft_tokens, draft_slots, draft_logits, num_drafted) if gamma else ()
+        result, logits, self.target_kv = exe(self.target.params, self.target_kv, batch, st,
+                                             *drafts)
+        return result, logits
+
+    def run_accept(self, logits, draft_logits, draft_tokens, num_drafted, st: SamplingTensors,
+                   gamma: int) -> VerifyResult:
+        exe = self.accept_executable(st.temperature.shape[0], gamma)
+        if not gamma:
+            return exe(logits, st)
+        return exe(logits, draft_logits, draft_tokens, num_drafted, st)
+
+    def run_signals(self, logits, draft_logits, draft_tokens, gamma: int) -> dict:
+        return self.signals_executable(draft_tokens.shape[0], gamma)(logits, draft_logits,
+                                                                     draft_tokens)
+
+    def fetch(self, result: VerifyResult, signals: dict | None, num_drafted, draft_tokens,
+              gammas: np.ndarray):
+        """The step's one host<-device transfer: (VerifyResult, signals, num_drafted) as numpy.
+        ``draft_tokens`` and ``gammas`` (planned draft length per row) are for wrappers that
+        rewrite acceptance (jspec.synthetic.SyntheticAcceptanceRunner)."""
+        return jax.device_get((result, signals, num_drafted))
 
     def run_draft(self, first: ModelInput, next_positions, page_table, gammas, stop_confidence,
                   stop_entropy, st: SamplingTensors, gamma: int):
@@ -217,7 +312,7 @@ class ModelRunner:
         return result
 
     def run_catch_up(self, batch: ModelInput) -> None:
-        exe = self.catch_up_executable(batch.input_ids.shape[0], batch.attn.kv_lens.shape[0])
+        exe = self.catch_up_executable(batch.input_ids.shape[0])
         self.draft_kv = exe(self.draft.params, self.draft_kv, batch)
 
     def migrate_blocks(self, pairs) -> int:
@@ -245,27 +340,32 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
     def bucket_plan(self) -> list[tuple]:
-        """Every (kind, shape...) the engine can reach.
+        """Every (kind, shape...) the engine can reach (``EngineConfig`` and
+        ``ResolvedConfig.verify_tokens`` say why the shapes are these).
 
-        A verify bucket (t tokens, s sequence rows, γ bucket g) is reachable when a step that
-        rounds up to it can exist: more sequences than the previous sequence bucket, each with at
-        least one token, one of them drafting more than the previous γ bucket.
+        Decode-only steps: per (row bucket s, γ bucket g) one verify-and-sample of s * (1 + g)
+        tokens, the draft loop (g > 0) and the policy's signals if it reads any. Steps that
+        carry prefill, at the widest row bucket: a verify per (token bucket t, g) and a
+        sampling per g (g = 0 only when one sequence runs at a time). Draft catch-up: two
+        widths (``catch_up_buckets``) at the widest row bucket.
         """
         rc = self.rc
         drafting = [g for g in self.gamma_buckets if g > 0] if self.draft is not None else []
         gammas = [0] + drafting
+        widest = rc.seq_buckets[-1]
         plan = []
-        for si, s in enumerate(rc.seq_buckets):
-            min_seqs = rc.seq_buckets[si - 1] + 1 if si else 1
-            for gi, g in enumerate(gammas):
-                min_drafted = gammas[gi - 1] + 1 if gi else 0
-                plan += [("verify", t, s, g) for t in rc.token_buckets
-                         if t >= min_seqs + min_drafted]
-            plan += [("accept", s, g) for g in gammas]
+        for s in rc.seq_buckets:
+            plan += [("verify_accept", s, g) for g in gammas]
             plan += [("draft", s, g) for g in drafting]
-            if self.draft is not None:
-                plan += [("catch_up", t, s) for t in rc.token_buckets if t >= min_seqs]
-        return plan
+            if self.signals:
+                plan += [("signals", s, g) for g in drafting]
+        # prefill next to a drafting sequence needs two sequences at least
+        mixed = gammas if rc.engine.max_num_seqs >= 2 else [0]
+        plan += [("verify", t, widest, g) for g in mixed for t in rc.token_buckets]
+        plan += [("accept", widest, g) for g in mixed]
+        if drafting:
+            plan += [("catch_up", t) for t in self.catch_up_buckets]
+        return list(dict.fromkeys(plan))  # a decode shape may equal a prefill one
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
         plan = self.bucket_plan()

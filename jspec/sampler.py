@@ -107,14 +107,52 @@ def sample_draft_tokens(logits: jax.Array, st: SamplingTensors, u: jax.Array) ->
 @array_dataclass
 class VerifyResult:
     """tokens [S, G+1]: accepted drafts then the emitted token (row i emits num_accepted[i] + 1
-    tokens). Signals [S, G] per drafted position, from the raw (temperature 1) distributions."""
+    tokens)."""
 
     tokens: jax.Array
     num_accepted: jax.Array
-    accept_prob: jax.Array
-    kl: jax.Array
-    draft_entropy: jax.Array
-    confidence: jax.Array
+
+
+# The per-position signals a policy may read (policies.base.Policy.signals). Each is a full-
+# vocabulary reduction per drafted position, so the engine computes only those its policy reads.
+SIGNALS = ("accept_prob", "kl", "draft_entropy", "confidence")
+
+
+def verify_signals(target_logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.Array,
+                   which: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Signals [S, G] per drafted position from the raw (temperature 1) distributions:
+    accept_prob = 1 - TV(p, q) = sum min(p, q); kl = KL(p || q); draft_entropy = H(q);
+    confidence = q(x_j). Only the names in ``which`` are computed (a static choice)."""
+    unknown = set(which) - set(SIGNALS)
+    if unknown:
+        raise ValueError(f"unknown signals {sorted(unknown)}; choose from {SIGNALS}")
+    num_rows, gamma = draft_tokens.shape
+    if target_logits.ndim == 2:
+        target_logits = target_logits.reshape(num_rows, gamma + 1, target_logits.shape[-1])
+    logq = jax.nn.log_softmax(draft_logits, axis=-1)
+    q = jnp.exp(logq)
+    out = {}
+    if "accept_prob" in which or "kl" in which:
+        logp = jax.nn.log_softmax(target_logits[:, :gamma], axis=-1)
+        p = jnp.exp(logp)
+        if "accept_prob" in which:
+            out["accept_prob"] = jnp.minimum(p, q).sum(-1)
+        if "kl" in which:
+            out["kl"] = (p * (jnp.log(jnp.maximum(p, _PROB_FLOOR))
+                              - jnp.log(jnp.maximum(q, _PROB_FLOOR)))).sum(-1)
+    if "draft_entropy" in which:
+        out["draft_entropy"] = -(q * jnp.log(jnp.maximum(q, _PROB_FLOOR))).sum(-1)
+    if "confidence" in which:
+        out["confidence"] = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+    return out
+
+
+def sample_tokens(logits: jax.Array, st: SamplingTensors) -> VerifyResult:
+    """Plain decoding (γ = 0 for every row): one token per row from logits [S, V]."""
+    num_rows, vocab = logits.shape
+    return rejection_sample(logits, jnp.zeros((num_rows, 0, vocab), jnp.float32),
+                            jnp.zeros((num_rows, 0), jnp.int32),
+                            jnp.zeros((num_rows,), jnp.int32), st)
 
 
 def rejection_sample(
@@ -129,6 +167,7 @@ def rejection_sample(
 
     The runner compiles this apart from the target forward, per (sequences, γ) bucket only:
     sampling costs far more to compile than the forward, which also varies with the token bucket.
+    Signals for the policies are ``verify_signals``, compiled only for policies that read them.
     """
     num_rows, gamma = draft_tokens.shape
     if target_logits.ndim == 2:
@@ -176,20 +215,7 @@ def rejection_sample(
     tokens = jnp.concatenate([draft_tokens, jnp.zeros((num_rows, 1), jnp.int32)], axis=1)
     tokens = _place_last(tokens, num_accepted, last)
 
-    # ---- signals from raw distributions, per drafted position
-    if gamma > 0:
-        logp_raw = jax.nn.log_softmax(target_logits[:, :gamma], axis=-1)
-        logq_raw = jax.nn.log_softmax(draft_logits, axis=-1)
-        p_raw, q_raw = jnp.exp(logp_raw), jnp.exp(logq_raw)
-        accept_prob = jnp.minimum(p_raw, q_raw).sum(-1)
-        log_p_c = jnp.log(jnp.maximum(p_raw, _PROB_FLOOR))
-        log_q_c = jnp.log(jnp.maximum(q_raw, _PROB_FLOOR))
-        kl = (p_raw * (log_p_c - log_q_c)).sum(-1)
-        entropy = -(q_raw * log_q_c).sum(-1)
-        confidence = jnp.take_along_axis(q_raw, draft_tokens[..., None], axis=-1)[..., 0]
-    else:
-        accept_prob = kl = entropy = confidence = jnp.zeros((num_rows, 0), jnp.float32)
-    return VerifyResult(tokens, num_accepted, accept_prob, kl, entropy, confidence)
+    return VerifyResult(tokens, num_accepted)
 
 
 def _place_last(tokens: jax.Array, num_accepted: jax.Array, last: jax.Array) -> jax.Array:

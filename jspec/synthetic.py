@@ -25,7 +25,8 @@ draft confidence and on-device stop) come from the random models, so those polic
 in this mode say nothing about real text; Nightjar, DSD and static/off depend only on measured
 time and (synthetic) acceptance counts.
 
-Mechanics: after the step's verification, the engine replaces each decoding row's accepted count
+Mechanics: the engine's runner is wrapped (``synthetic_runner``): when it fetches a step's
+verification results it replaces each decoding row's accepted count
 by the synthetic draw n and its emitted tokens by the row's first n drafted tokens followed by
 the target's own emitted token. The target's KV already holds exactly those n drafted tokens
 (it verified them as inputs), so the cache stays consistent, as after a real rejection at n.
@@ -228,3 +229,23 @@ def synthetic_models(shape: str, dtype: str = "bfloat16"):
             _PARAMS[key] = random_params(cfg, jnp.dtype(dtype), seed=seed)
         models.append(LoadedModel(cfg=cfg, params=_PARAMS[key], name=f"synthetic-{role}"))
     return models[0], models[1]
+
+
+def synthetic_runner(runner_cls):
+    """``runner_cls`` subclass whose ``fetch`` rewrites acceptance with a SyntheticAcceptance
+    (benchmarking only; keeps the acceptance model out of the engine's step)."""
+
+    class SyntheticAcceptanceRunner(runner_cls):
+        acceptance: SyntheticAcceptance
+
+        def fetch(self, result, signals, num_drafted, draft_tokens, gammas):
+            result, signals, drafted = super().fetch(result, signals, num_drafted, draft_tokens,
+                                                     gammas)
+            if draft_tokens is not None:
+                import jax
+
+                result = self.acceptance.apply(result, jax.device_get(draft_tokens), drafted,
+                                               gammas)
+            return result, signals, drafted
+
+    return SyntheticAcceptanceRunner

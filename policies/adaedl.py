@@ -74,6 +74,7 @@ class AdaEDLPolicy(Policy):
     """
 
     name = "adaedl"
+    draft_stops = True
 
     def __init__(self, max_gamma: int = 4, lam: float = 0.4, lam_e: float = 0.2,
                  adapt: bool = False, beta: float = 0.1, lam_min: float = 0.05,

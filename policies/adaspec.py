@@ -93,6 +93,8 @@ class AdaSpecPolicy(Policy):
     """AdaSpec (papers/adaspec.txt §4–5): see the module docstring for the derivations."""
 
     name = "adaspec"
+    signals = frozenset({"confidence"})
+    draft_stops = True
 
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  tpot_slo: float | None = None, confidence_prior: float = 0.6,

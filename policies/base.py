@@ -71,9 +71,18 @@ class DraftStats:
     draft_entropy: np.ndarray  # [n, G]
 
 
+STAGES = ("schedule", "plan", "catch_up", "draft", "verify", "accept", "signals", "commit")
+
+
 @dataclasses.dataclass
 class StepOutcome:
-    """What happened in a step, per sequence of the view, plus timings in seconds."""
+    """What happened in a step, per decoding sequence of the view, plus timings in seconds.
+
+    The engine makes one for every step that ran (prefill-only steps too: their per-sequence
+    arrays are empty) and hands it to the policy (steps with decoding sequences), to
+    ``EngineMetrics.observe`` and to every ``LLMEngine.add_step_listener`` callback (the
+    serving benchmark's recorder, the Prometheus exporter).
+    """
 
     request_ids: list[str]
     gammas: np.ndarray  # [n] planned
@@ -83,16 +92,30 @@ class StepOutcome:
     num_emitted: np.ndarray  # [n] tokens appended (accepted + bonus/correction, after stops)
     batch_size: int
     step_time: float  # whole step, wall clock, including draft catch-up
-    draft_time: float
-    verify_time: float
+    draft_time: float  # the draft loop (synced)
+    verify_time: float  # target forward, sampling, signals and the result transfer
     catch_up_time: float  # draft catching up on lagging KV (Nightjar's switching cost)
     catch_up_tokens: int
     num_prefill_tokens: int
-    # per drafted position [n, G]; NaN where nothing was drafted
+    # per drafted position [n, G]; NaN where nothing was drafted or the policy does not read it
     accept_prob: np.ndarray
     kl: np.ndarray
     draft_entropy: np.ndarray
     confidence: np.ndarray
+    # per stage of the step (STAGES), seconds. Device stages are timed at dispatch unless the
+    # engine syncs between them (LLMEngine.time_stages): then verify/accept/signals split the
+    # device time exactly; otherwise device time lands in the stage that first waits for it
+    # (the commit, which starts with the step's one result transfer). A decode-only step
+    # samples inside its verify executable, so its "accept" is empty.
+    stage_times: dict[str, float] = dataclasses.field(default_factory=dict)
+    gamma_bucket: int = 0  # the compiled γ bucket the step ran in (0: no draft work)
+    num_tokens: int = 0  # target tokens in the step's batch (decode + drafts + prefill)
+    num_running: int = 0  # sequences running after the step
+    num_waiting: int = 0  # queue depth after the step
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.request_ids)
 
     @property
     def goodput(self) -> float:
@@ -104,6 +127,13 @@ class Policy(abc.ABC):
     """Chooses how much to speculate. Subclasses set ``name`` and implement ``plan``."""
 
     name: str = ""
+    # What the policy reads, declared so the engine computes nothing else (compile-time choices,
+    # not runtime branches): ``signals`` are the per-position StepOutcome signals it reads
+    # (accept_prob, kl, draft_entropy, confidence; the others arrive as NaN), ``draft_stops``
+    # says its plans set stop_confidence / stop_entropy (the draft loop then computes draft
+    # confidence and entropy on device; a policy overriding ``select`` gets them too).
+    signals: frozenset[str] = frozenset()
+    draft_stops: bool = False
 
     def __init__(self, max_gamma: int):
         if not isinstance(max_gamma, int) or max_gamma < 0:
@@ -125,6 +155,11 @@ class Policy(abc.ABC):
     @property
     def wants_select(self) -> bool:
         return type(self).select is not Policy.select
+
+    @property
+    def wants_draft_stats(self) -> bool:
+        """Whether the draft loop must compute confidence / entropy (stop rules, select)."""
+        return self.draft_stops or self.wants_select
 
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from a finished step."""

@@ -130,6 +130,7 @@ class DSDEPolicy(Policy):
     """
 
     name = "dsde"
+    signals = frozenset({"kl"})
 
     def __init__(self, max_gamma: int = 4, warmup_steps: int = 5, warmup_gamma: int | None = None,
                  sl_min: int | None = None, delta: float = 0.85, short_window: int = 10,

@@ -97,8 +97,13 @@ class OpenAIApp:
 
     # ------------------------------------------------------------------ life cycle
     def set_engine(self, engine) -> None:
+        self.metrics.attach(engine)  # before ready: no request has run a step yet
         self.engine = engine
         self.status = "ready"
+
+    def release_engine(self) -> None:
+        """The engine has stopped: stop recording its steps (it stays readable for /metrics)."""
+        self.metrics.detach()
 
     def set_load_error(self, message: str) -> None:
         self.status, self.load_error = "error", message
@@ -185,9 +190,8 @@ class OpenAIApp:
         elif self.status == "error":
             body["message"] = self.load_error
         if self.engine is not None:
-            engine = self.engine.engine
-            running = engine.scheduler.num_running
-            body.update(running=running, waiting=max(0, self.engine.num_unfinished - running),
+            stats = self.engine.stats()
+            body.update(running=stats.num_running, waiting=stats.num_waiting,
                         in_flight=len(self._in_flight))
         return web.json_response(body, status=200 if body["status"] == "ready" else 503)
 
@@ -260,12 +264,10 @@ class OpenAIApp:
     def _context_limit(self) -> int:
         """Tokens one sequence may hold: the context length, or the whole KV pool if smaller
         (the same limits ``LLMEngine.validate_request`` and ``add_request`` apply)."""
-        engine = self.engine.engine
-        capacity = engine.block_manager.num_usable_blocks * engine.config.block_size
-        return min(engine.rc.max_model_len, capacity)
+        return self.engine.limits.context_limit
 
     def _prompt_ids(self, engine, req: GenerationRequest, prompt) -> list[int]:
-        tokenizer = engine.engine.tokenizer
+        tokenizer = engine.tokenizer
         if req.kind == "chat":
             field = "messages"
             from models.loader import apply_chat_template
@@ -297,7 +299,7 @@ class OpenAIApp:
                                  f"context holds {limit} tokens and at least one must remain "
                                  f"for the output", "context_length_exceeded")
         try:  # the remaining checks (empty prompt, token ids outside the vocabulary)
-            engine.engine.validate_request(ids, sampling_params(req, 1))
+            engine.validate_request(ids, sampling_params(req, 1))
         except ValueError as e:
             raise invalid(field, str(e)) from None
         return ids
@@ -319,7 +321,7 @@ class OpenAIApp:
         return sampling_params(req, max_tokens)
 
     def _admit(self, request_id: str, n: int, start: float) -> list[str]:
-        max_running = self.engine.engine.config.max_num_seqs
+        max_running = self.engine.limits.max_num_seqs
         capacity = max_running + self.options.max_queue
         if n > capacity:
             raise invalid("prompt", f"a batch of {n} prompts exceeds what this server holds at "

@@ -1,28 +1,38 @@
 """Prometheus metrics of the server (``GET /metrics``), in a registry of its own.
 
-Two kinds of series:
+Three kinds of series:
 
 * what the server observes per request (request counts by endpoint and status, finish reasons,
-  TTFT / TPOT / end-to-end latency histograms, prompt and generated tokens): prometheus_client
-  counters and histograms, updated on the event loop;
-* what the engine already counts (queue depth, running sequences, KV blocks, steps, the vLLM-style
-  ``spec_decode_*`` counters, accepted tokens per draft position, the γ chosen per sequence-step
-  overall and per batch-size bucket, draft residency): read from ``LLMEngine`` at scrape time by
-  a custom collector, so the engine thread never touches prometheus objects and nothing is
-  counted twice. Engine counters are exported as Prometheus counters (``_total``) because they
-  only grow.
+  TTFT / TPOT / end-to-end latency histograms, prompt and generated tokens): counters and
+  histograms updated on the event loop;
+* what the engine's per-step record (``policies.base.StepOutcome``) says: steps, step time,
+  batch size and target tokens per step, the γ bucket each step ran in, time per step stage,
+  prefill tokens, the vLLM-style ``spec_decode_*`` counters, accepted tokens per draft position,
+  the γ chosen per sequence-step overall and per batch-size bucket, the mean γ of the latest
+  step. A step listener (``AsyncLLMEngine.add_step_listener``) folds each step into
+  prometheus_client metrics on the engine thread (they are thread-safe) as it ends, so nothing
+  is diffed or re-read at scrape time. These count the steps run since the server took the
+  engine (``ServerMetrics.attach``);
+* the engine's load and the counters no step record carries (queue depth, running sequences,
+  KV blocks, draft residency, preemptions, aborts, policy time): read from
+  ``AsyncLLMEngine.stats()`` at scrape time by a custom collector.
 
-The engine thread mutates those counters while a scrape reads them. Every read is a single
-attribute or ``len`` read, a numpy ``tolist()`` or ``list(dict.items())``, each atomic under the
-GIL, so a scrape sees each value whole (though values from one step may mix with the next's).
+Counters that only grow are exported as Prometheus counters (``_total``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+import numpy as np
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from policies.base import STAGES, StepOutcome, batch_bucket
+
+logger = logging.getLogger("jspec.serve")
 
 # No "<name>_created" timestamp series next to every counter and histogram: they double the
 # scrape for nothing a dashboard uses (vLLM turns them off too). The switch is process-wide.
@@ -31,16 +41,22 @@ disable_created_metrics()
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+STEP_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # policies.base.batch_bucket's
+STEP_TOKENS_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class ServerMetrics:
     """The server's registry. The callables are read at scrape time: the AsyncLLMEngine (None
-    while loading), the server's in-flight request count and its readiness."""
+    while loading), the server's in-flight request count and its readiness. ``attach`` starts
+    recording the engine's steps, ``detach`` stops."""
 
     def __init__(self, engine: Callable[[], object | None], in_flight: Callable[[], int],
                  ready: Callable[[], bool]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # -- per request, on the event loop
         self.requests = Counter("jspec_http_requests", "HTTP requests answered, by endpoint and "
                                 "status code", ["endpoint", "code"], registry=r)
         self.finished = Counter("jspec_request_finished", "Generation requests ended, by reason "
@@ -59,7 +75,134 @@ class ServerMetrics:
                                      "when a request's first token is out)", registry=r)
         self.generation_tokens = Counter("jspec_generation_tokens", "Tokens generated for "
                                          "requests (finished or not)", registry=r)
+        # -- per engine step, on the engine thread (the step listener)
+        self.steps = Counter("jspec_engine_steps", "Engine steps", registry=r)
+        self.step_time = Histogram("jspec_engine_step_time_seconds", "Wall-clock time of each "
+                                   "engine step", registry=r, buckets=STEP_TIME_BUCKETS)
+        self.step_batch_size = Histogram("jspec_engine_step_batch_size", "Sequences in each "
+                                         "engine step (decoding and prefilling)", registry=r,
+                                         buckets=BATCH_SIZE_BUCKETS)
+        self.step_tokens = Histogram("jspec_engine_step_tokens", "Target tokens in each engine "
+                                     "step's batch (decode, drafts to verify and prefill)",
+                                     registry=r, buckets=STEP_TOKENS_BUCKETS)
+        self.steps_by_gamma_bucket = Counter(
+            "jspec_engine_steps_by_gamma_bucket", "Engine steps by the compiled γ bucket they "
+            "ran in (0 = no draft work)", ["gamma_bucket"], registry=r)
+        self.stage_time = Counter("jspec_engine_stage_time_seconds", "Time spent in each stage "
+                                  "of the engine step", ["stage"], registry=r)
+        self.prefill_tokens = Counter("jspec_engine_prefill_tokens", "Prompt tokens prefilled "
+                                      "by the engine (recomputation after preemption included)",
+                                      registry=r)
+        self.spec_drafts = Counter("jspec_spec_decode_num_drafts", "Sequence-steps that drafted",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("jspec_spec_decode_num_draft_tokens", "Draft tokens "
+                                         "sent to verification", registry=r)
+        self.spec_accepted_tokens = Counter("jspec_spec_decode_num_accepted_tokens", "Draft "
+                                            "tokens accepted", registry=r)
+        self.spec_emitted_tokens = Counter("jspec_spec_decode_num_emitted_tokens", "Tokens "
+                                           "emitted by drafting sequence-steps", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "jspec_spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at least up to "
+            "this draft position (0-based)", ["position"], registry=r)
+        self.spec_gamma = Counter("jspec_spec_decode_gamma", "Sequence-steps by the γ the "
+                                  "policy chose (0 = no drafting)", ["gamma"], registry=r)
+        self.spec_gamma_by_batch = Counter(
+            "jspec_spec_decode_gamma_by_batch", "Sequence-steps by the γ chosen and the "
+            "batch-size bucket of the step", ["batch_bucket", "gamma"], registry=r)
+        self.gamma_last_step = Gauge("jspec_spec_decode_gamma_last_step", "Mean γ the policy "
+                                     "chose for the decoding sequences of the latest step",
+                                     registry=r)
+        # -- the engine's load and its other counters, read at scrape time
         r.register(_EngineCollector(engine, in_flight, ready))
+        self._engine = None  # the AsyncLLMEngine whose steps are recorded
+        self._max_gamma = 0
+        self._per_pos: list = []  # label children, looked up once
+        self._gamma: list = []
+        self._by_batch: dict[int, list] = {}
+        self._by_gamma_bucket: dict[int, object] = {}
+        self._stages: dict[str, object] = {}
+        self._step_error_logged = False
+
+    # ------------------------------------------------------------------ the step listener
+    def attach(self, engine) -> None:
+        """Record every step of ``engine`` (an AsyncLLMEngine) from now on; the labelled series
+        its limits fix (draft positions, γ values, γ buckets, stages) start at 0."""
+        if self._engine is engine:
+            return
+        self.detach()
+        limits = engine.limits
+        self._max_gamma = g = limits.max_gamma
+        self._per_pos = [self.spec_accepted_per_pos.labels(str(p)) for p in range(g)]
+        self._gamma = [self.spec_gamma.labels(str(k)) for k in range(g + 1)]
+        self._by_gamma_bucket = {b: self.steps_by_gamma_bucket.labels(str(b))
+                                 for b in limits.gamma_buckets}
+        self._stages = {stage: self.stage_time.labels(stage) for stage in STAGES}
+        self._engine = engine
+        engine.add_step_listener(self._on_step)
+
+    def detach(self) -> None:
+        """Stop recording steps (the series keep their values); a no-op when not attached."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.remove_step_listener(self._on_step)
+
+    def _on_step(self, outcome: StepOutcome) -> None:
+        # runs on the engine thread: a failure here must not fail the engine loop
+        try:
+            self._observe_step(outcome)
+        except Exception:
+            if not self._step_error_logged:
+                self._step_error_logged = True
+                logger.exception("recording an engine step in the Prometheus metrics failed "
+                                 "(logged once)")
+
+    def _observe_step(self, o: StepOutcome) -> None:
+        self.steps.inc()
+        self.step_time.observe(o.step_time)
+        self.step_batch_size.observe(o.batch_size)
+        self.step_tokens.observe(o.num_tokens)
+        self._child(self._by_gamma_bucket, o.gamma_bucket, self.steps_by_gamma_bucket,
+                    str(o.gamma_bucket)).inc()
+        for stage, seconds in o.stage_times.items():
+            self._child(self._stages, stage, self.stage_time, stage).inc(max(0.0, seconds))
+        if o.num_prefill_tokens:
+            self.prefill_tokens.inc(o.num_prefill_tokens)
+        if not o.num_decode:
+            self.gamma_last_step.set(0.0)
+            return
+        self.gamma_last_step.set(float(o.gammas.mean()))
+        # the definitions of EngineMetrics.record_spec
+        g = self._max_gamma
+        gamma_counts = np.bincount(np.minimum(o.gammas, g), minlength=g + 1).tolist()
+        bucket = batch_bucket(o.batch_size)
+        by_batch = self._by_batch.get(bucket)
+        if by_batch is None:  # a new batch-size bucket: all its γ series appear at once
+            by_batch = self._by_batch[bucket] = [
+                self.spec_gamma_by_batch.labels(str(bucket), str(k)) for k in range(g + 1)]
+        for k, count in enumerate(gamma_counts):
+            if count:
+                self._gamma[k].inc(count)
+                by_batch[k].inc(count)
+        drafting = o.num_verified > 0
+        if not drafting.any():
+            return
+        accepted = o.num_accepted[drafting]
+        self.spec_drafts.inc(int(drafting.sum()))
+        self.spec_draft_tokens.inc(int(o.num_verified.sum()))
+        self.spec_accepted_tokens.inc(int(accepted.sum()))
+        self.spec_emitted_tokens.inc(int(o.num_emitted[drafting].sum()))
+        # position p counts the drafts that accepted more than p tokens
+        per_pos = (accepted[:, None] > np.arange(g)[None, :]).sum(axis=0).tolist()
+        for p, count in enumerate(per_pos):
+            if count:
+                self._per_pos[p].inc(count)
+
+    @staticmethod
+    def _child(cache: dict, key, metric, label: str):
+        child = cache.get(key)
+        if child is None:
+            child = cache[key] = metric.labels(label)
+        return child
 
 
 class _EngineCollector:
@@ -67,70 +210,35 @@ class _EngineCollector:
         self._engine, self._in_flight, self._ready = engine, in_flight, ready
 
     def describe(self):
-        return []  # families depend on the engine (γ range); collected only at scrape time
+        return []  # families depend on the engine; collected only at scrape time
 
     def collect(self):
         yield _gauge("jspec_server_ready", "1 once models are loaded and every shape bucket is "
                      "compiled", int(self._ready()))
         yield _gauge("jspec_server_requests_in_flight", "Requests admitted by the server and "
                      "not yet answered", self._in_flight())
-        async_engine = self._engine()
-        if async_engine is None:
+        engine = self._engine()
+        if engine is None:
             return
-        engine = async_engine.engine
-        sched, blocks, m = engine.scheduler, engine.block_manager, engine.metrics
-        running = sched.num_running
-        # requests handed to the engine thread but not yet added count as waiting too
-        waiting = max(0, async_engine.num_unfinished - running)
-        yield _gauge("jspec_num_requests_running", "Sequences in the running batch", running)
+        stats = engine.stats()  # waiting includes requests not yet handed to the engine
+        yield _gauge("jspec_num_requests_running", "Sequences in the running batch",
+                     stats.num_running)
         yield _gauge("jspec_num_requests_waiting", "Requests waiting for a slot in the running "
-                     "batch (the queue depth)", waiting)
-        free = blocks.num_free_blocks
-        yield _gauge("jspec_kv_blocks_free", "Free KV-cache blocks", free)
+                     "batch (the queue depth)", stats.num_waiting)
+        yield _gauge("jspec_kv_blocks_free", "Free KV-cache blocks", stats.kv_blocks_free)
         yield _gauge("jspec_kv_blocks_used", "KV-cache blocks held by sequences",
-                     blocks.num_usable_blocks - free)
+                     stats.kv_blocks_used)
         yield _gauge("jspec_draft_resident", "1 while the draft model's weights are on the "
-                     "device", int(engine.draft is not None))
-        outcome = engine.last_outcome
-        yield _gauge("jspec_spec_decode_gamma_last_step", "Mean γ the policy chose for the "
-                     "decoding sequences of the latest step",
-                     float(outcome.gammas.mean()) if outcome is not None and
-                     len(outcome.gammas) else 0.0)
+                     "device", int(stats.draft_resident))
+        m = stats.metrics
         for name, doc, value in (
-                ("jspec_engine_steps", "Engine steps", m.num_steps),
                 ("jspec_engine_preemptions", "Sequences preempted for KV memory",
-                 m.num_preemptions),
+                 m["num_preemptions"]),
                 ("jspec_engine_requests_aborted", "Requests aborted in the engine",
-                 m.num_requests_aborted),
-                ("jspec_spec_decode_num_drafts", "Sequence-steps that drafted",
-                 m.spec_decode_num_drafts),
-                ("jspec_spec_decode_num_draft_tokens", "Draft tokens sent to verification",
-                 m.spec_decode_num_draft_tokens),
-                ("jspec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                 m.spec_decode_num_accepted_tokens),
-                ("jspec_spec_decode_num_emitted_tokens", "Tokens emitted by drafting "
-                 "sequence-steps", m.spec_decode_num_emitted_tokens),
+                 m["num_requests_aborted"]),
                 ("jspec_policy_time_seconds", "Time inside the policy's plan/select/observe",
-                 m.policy_time)):
+                 m["policy_time"])):
             yield _counter(name, doc, value)
-        per_pos = CounterMetricFamily(
-            "jspec_spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at least up to "
-            "this draft position (0-based)", labels=["position"])
-        for position, count in enumerate(m.accepted_per_position.tolist()):
-            per_pos.add_metric([str(position)], count)
-        yield per_pos
-        gamma = CounterMetricFamily("jspec_spec_decode_gamma", "Sequence-steps by the γ the "
-                                    "policy chose (0 = no drafting)", labels=["gamma"])
-        for g, count in enumerate(m.gamma_histogram.tolist()):
-            gamma.add_metric([str(g)], count)
-        yield gamma
-        by_batch = CounterMetricFamily(
-            "jspec_spec_decode_gamma_by_batch", "Sequence-steps by the γ chosen and the "
-            "batch-size bucket of the step", labels=["batch_bucket", "gamma"])
-        for bucket, hist in sorted(list(m.gamma_histogram_by_batch.items())):
-            for g, count in enumerate(hist.tolist()):
-                by_batch.add_metric([str(bucket), str(g)], count)
-        yield by_batch
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

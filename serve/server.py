@@ -121,6 +121,7 @@ class Server:
                     loop.remove_signal_handler(sig)
             if engine is not None:
                 await asyncio.to_thread(engine.shutdown)  # joins the engine thread
+                self.app.release_engine()
         return engine
 
     def _on_signal(self, sig: signal.Signals) -> None:

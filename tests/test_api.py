@@ -178,3 +178,49 @@ def test_default_sampling_params_and_mismatched_lists(tiny_llm):
         tiny_llm.generate(PROMPTS[:3], [GREEDY, GREEDY], use_tqdm=False)
     (out,) = tiny_llm.generate(PROMPTS[0], use_tqdm=False)  # SamplingParams() defaults
     assert 1 <= len(out.token_ids) <= SamplingParams().max_tokens
+
+
+def test_engine_limits_and_stats(tiny_llm):
+    """LLMEngine.limits says what validate_request enforces; stats() follows the requests."""
+    engine = tiny_llm.engine
+    limits = engine.limits
+    assert engine.limits is limits  # fixed for the engine's lifetime
+    assert limits.max_model_len == LLM_KW["max_model_len"]
+    assert limits.max_num_seqs == LLM_KW["max_num_seqs"]
+    assert limits.block_size == LLM_KW["block_size"]
+    assert limits.kv_capacity_tokens == limits.num_kv_blocks * limits.block_size
+    assert limits.context_limit == min(limits.max_model_len, limits.kv_capacity_tokens)
+    assert limits.context_limit == limits.max_model_len  # these shapes' KV pool holds more
+    assert limits.has_draft and limits.max_gamma == LLM_GAMMA and 0 in limits.gamma_buckets
+    assert limits.vocab_size == 512 and limits.policy == engine.policy.name
+    sp = SamplingParams(max_tokens=1)
+    longest = [1] * limits.max_prompt_tokens
+    assert engine.validate_request(longest, sp) == longest
+    with pytest.raises(ValueError, match="max_model_len is 128"):
+        engine.validate_request(longest + [1], sp)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.validate_request([limits.vocab_size], sp)
+
+    idle = engine.stats()
+    assert (idle.num_running, idle.num_waiting, idle.num_unfinished) == (0, 0, 0)
+    assert idle.kv_blocks_used == 0 and idle.kv_blocks_free == idle.kv_blocks_total
+    assert idle.kv_blocks_total == limits.num_kv_blocks and idle.draft_resident
+    assert idle.num_steps == engine.metrics.num_steps
+    engine.add_request("stats-0", [5, 6, 7], GREEDY)
+    try:
+        queued = engine.stats()
+        assert (queued.num_running, queued.num_waiting, queued.num_unfinished) == (0, 1, 1)
+        assert queued.kv_blocks_used == 0
+        engine.step()  # prefills it
+        running = engine.stats()
+        assert (running.num_running, running.num_waiting) == (1, 0)
+        assert running.kv_blocks_used > 0
+        assert running.kv_blocks_used + running.kv_blocks_free == running.kv_blocks_total
+        assert running.num_steps == idle.num_steps + 1 == engine.metrics.num_steps
+        assert running.metrics["num_prefill_tokens"] == idle.metrics["num_prefill_tokens"] + 3
+    finally:
+        engine.abort_request("stats-0")
+        engine.step()  # hands out the aborted request's output
+    done = engine.stats()
+    assert (done.num_running, done.num_waiting, done.kv_blocks_used) == (0, 0, 0)
+    assert done.metrics["num_requests_aborted"] == idle.metrics["num_requests_aborted"] + 1

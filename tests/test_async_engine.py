@@ -4,6 +4,7 @@ shared LLM_KW engine shapes)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -152,3 +153,36 @@ def test_duplicate_request_id_is_refused(async_engine):
     first = asyncio.run(main())
     assert first.request_id == "dup-1"
     assert async_engine.engine.block_manager.num_used_blocks == 0
+
+
+def test_accessors_and_step_listener(async_engine, tmp_path):
+    """The server's view of the engine: limits, tokenizer, validation, stats(), policy state
+    and a step listener that sees every step that ran."""
+    limits = async_engine.limits
+    assert limits == async_engine.engine.limits
+    assert async_engine.tokenizer is async_engine.engine.tokenizer
+    assert async_engine.validate_request("Hello", GREEDY) == async_engine.tokenizer.encode("Hello")
+    with pytest.raises(ValueError, match="max_model_len"):
+        async_engine.validate_request([1] * limits.context_limit, GREEDY)
+    asyncio.run(wait_idle(async_engine))
+    outcomes = []
+    listener = outcomes.append
+    async_engine.add_step_listener(listener)
+    try:
+        before = async_engine.stats()
+        outs = asyncio.run(collect(async_engine, "def fibonacci(n):", GREEDY, "listener-1"))
+    finally:
+        async_engine.remove_step_listener(listener)
+    after = async_engine.stats()
+    assert (after.num_running, after.num_waiting, after.kv_blocks_used) == (0, 0, 0)
+    assert after.num_steps - before.num_steps == len(outcomes) > 1
+    assert outcomes[0].num_decode == 0 and outcomes[0].num_prefill_tokens > 0  # the prefill
+    # the prefill step samples the first token; the decoding steps emit the rest
+    emitted = sum(int(o.num_emitted.sum()) for o in outcomes)
+    assert emitted == len(outs[-1].token_ids) - 1
+    assert (after.metrics["spec_decode_num_draft_tokens"]
+            - before.metrics["spec_decode_num_draft_tokens"]
+            == sum(int(o.num_verified.sum()) for o in outcomes))
+    async_engine.save_policy_state(str(tmp_path / "policy.json"))  # what `jspec serve` saves
+    saved = json.loads((tmp_path / "policy.json").read_text())
+    assert saved["policy"] == limits.policy and saved["max_gamma"] == limits.max_gamma

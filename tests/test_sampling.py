@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import make_engine, run_to_completion
-from jspec.sampler import SamplingTensors, processed_logprobs, rejection_sample
+from jspec.sampler import (SIGNALS, SamplingTensors, processed_logprobs, rejection_sample,
+                           verify_signals)
 from jspec.sampling_params import SamplingParams
 from models.transformer import dense_forward
 
@@ -97,12 +98,27 @@ def test_rejection_sampler_greedy_rows_follow_argmax():
     assert res.tokens[0].tolist() == argmax[0].tolist()
     assert res.tokens[1, :3].tolist() == argmax[1, :3].tolist()
     assert res.tokens[2, :2].tolist() == argmax[2, :2].tolist()  # stopped draft: bonus at 1
-    # signals: 1 - TV in [0, 1], KL >= 0, entropy >= 0, confidence = q(x)
-    assert np.all((np.asarray(res.accept_prob) >= 0) & (np.asarray(res.accept_prob) <= 1 + 1e-6))
-    assert np.all(np.asarray(res.kl) >= -1e-6) and np.all(np.asarray(res.draft_entropy) >= 0)
-    q_soft = np.asarray(jax.nn.softmax(jnp.asarray(q), -1))
-    conf = np.take_along_axis(q_soft, drafts[..., None], -1)[..., 0]
-    np.testing.assert_allclose(np.asarray(res.confidence), conf, rtol=1e-5)
+
+
+def test_verify_signals_match_numpy_and_compute_only_what_is_asked():
+    vocab, gamma = 10, 4
+    rng = np.random.default_rng(1)
+    p = rng.normal(size=(3, gamma + 1, vocab)).astype(np.float32)
+    q = rng.normal(size=(3, gamma, vocab)).astype(np.float32)
+    drafts = rng.integers(0, vocab, size=(3, gamma)).astype(np.int32)
+    sig = verify_signals(jnp.asarray(p.reshape(-1, vocab)), jnp.asarray(q), jnp.asarray(drafts),
+                         SIGNALS)
+    ps = np.exp(p[:, :gamma]) / np.exp(p[:, :gamma]).sum(-1, keepdims=True)
+    qs = np.exp(q) / np.exp(q).sum(-1, keepdims=True)
+    np.testing.assert_allclose(sig["accept_prob"], np.minimum(ps, qs).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(sig["kl"], (ps * np.log(ps / qs)).sum(-1), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(sig["draft_entropy"], -(qs * np.log(qs)).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(sig["confidence"],
+                               np.take_along_axis(qs, drafts[..., None], -1)[..., 0], rtol=1e-5)
+    only = verify_signals(jnp.asarray(p), jnp.asarray(q), jnp.asarray(drafts), ("kl",))
+    assert set(only) == {"kl"}
+    with pytest.raises(ValueError, match="unknown signals"):
+        verify_signals(jnp.asarray(p), jnp.asarray(q), jnp.asarray(drafts), ("tv",))
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -320,6 +320,45 @@ def test_metrics_exposition(server, client):
     assert m["jspec_num_requests_waiting"] == 0 and m["jspec_num_requests_running"] == 0
 
 
+def test_step_metrics_come_from_every_step(server, client):
+    """The step listener's series count the steps the engine ran and agree with its own
+    counters; the gauges come from stats()."""
+    client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                              extra_body={"ignore_eos": True})
+    m = wait_idle(server.url)
+    engine = server.app.engine
+    stats = engine.stats()
+    em = stats.metrics
+    steps = stats.num_steps
+    assert steps > 0 and m["jspec_engine_steps_total"] == steps
+    assert m["jspec_engine_step_time_seconds_count"] == steps
+    assert m["jspec_engine_step_batch_size_count"] == steps
+    assert m["jspec_engine_step_tokens_count"] == steps
+    by_bucket = {k: v for k, v in m.items()
+                 if k.startswith("jspec_engine_steps_by_gamma_bucket_total")}
+    assert len(by_bucket) == len(engine.limits.gamma_buckets)
+    assert sum(by_bucket.values()) == steps
+    assert m["jspec_engine_prefill_tokens_total"] == em["num_prefill_tokens"]
+    assert m["jspec_engine_step_time_seconds_sum"] == pytest.approx(em["step_time"])
+    for stage, seconds in em["stage_time"].items():
+        assert m[f'jspec_engine_stage_time_seconds_total{{stage="{stage}"}}'] == pytest.approx(
+            seconds)
+    for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens", "spec_decode_num_emitted_tokens"):
+        assert m[f"jspec_{name}_total"] == em[name], name
+    gamma_max = engine.limits.max_gamma
+    assert [m[f'jspec_spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}']
+            for p in range(gamma_max)] == em["accepted_per_position"]
+    assert [m[f'jspec_spec_decode_gamma_total{{gamma="{g}"}}']
+            for g in range(gamma_max + 1)] == em["gamma_histogram"]
+    for bucket, hist in em["gamma_histogram_by_batch"].items():
+        key = 'jspec_spec_decode_gamma_by_batch_total{{batch_bucket="{}",gamma="{}"}}'
+        assert [m[key.format(bucket, g)] for g in range(gamma_max + 1)] == hist
+    assert m["jspec_kv_blocks_free"] == stats.kv_blocks_free == engine.limits.num_kv_blocks
+    assert m["jspec_engine_requests_aborted_total"] == em["num_requests_aborted"]
+    assert m["jspec_engine_preemptions_total"] == em["num_preemptions"]
+
+
 def test_bad_requests_leave_the_server_serving(server, client, tiny_llm):
     wait_idle(server.url)  # every refused request above left nothing behind
     (want,) = tiny_llm.generate(PROMPTS[2], greedy(6), use_tqdm=False)

@@ -46,8 +46,7 @@ def test_apply_replaces_accepted_tokens_by_the_drafts():
     # a prefill row (γ 0), a padding row
     tokens = np.array([[90, 0, 0, 0], [11, 12, 13, 93], [70, 0, 0, 0], [0, 0, 0, 0]], np.int32)
     drafts = np.array([[1, 2, 3], [11, 12, 13], [0, 0, 0], [0, 0, 0]], np.int32)
-    sig = np.zeros((4, 3), np.float32)
-    result = VerifyResult(tokens, np.array([0, 3, 0, 0], np.int32), sig, sig, sig, sig)
+    result = VerifyResult(tokens, np.array([0, 3, 0, 0], np.int32))
 
     class Fixed(SyntheticAcceptance):
         def draw(self, drafted):

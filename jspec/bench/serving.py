@@ -234,8 +234,8 @@ def nice_bin(span: float) -> float:
 
 # ----------------------------------------------------------------------------- the driver
 class StepRecorder:
-    """Records every engine step by wrapping ``engine.step`` on the instance (called on the
-    engine thread); ``with`` restores the class's method."""
+    """Records every engine step from the engine's per-step record (``StepOutcome``, delivered
+    on the engine thread to a step listener); ``with`` subscribes and unsubscribes."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -243,36 +243,22 @@ class StepRecorder:
         self.t0: float | None = None
 
     def __enter__(self) -> "StepRecorder":
-        self._orig = self.engine.step
-        self.engine.step = self._step
+        self.engine.add_step_listener(self._on_step)
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.engine.step
+        self.engine.remove_step_listener(self._on_step)
 
-    def _step(self):
-        e = self.engine
-        m = e.metrics
-        steps0, time0, prefill0, prev = m.num_steps, m.step_time, m.num_prefill_tokens, \
-            e.last_outcome
-        outputs = self._orig()
-        if m.num_steps == steps0 or self.t0 is None:  # nothing scheduled: not a step
-            return outputs
-        o = e.last_outcome if e.last_outcome is not prev else None
-        sched = e.scheduler
+    def _on_step(self, o) -> None:
+        if self.t0 is None:  # before the clock starts (warm-up requests)
+            return
         self.steps.append(
-            time=time.perf_counter() - self.t0, step_time=m.step_time - time0,
-            # a prefill-only step has no outcome: count the sequences running after it
-            batch_size=o.batch_size if o is not None else sched.num_running,
-            num_decode=len(o.gammas) if o is not None else 0,
-            gamma_sum=int(o.gammas.sum()) if o is not None else 0,
-            gamma_max=int(o.gammas.max()) if o is not None and len(o.gammas) else 0,
-            num_verified=int(o.num_verified.sum()) if o is not None else 0,
-            num_accepted=int(o.num_accepted.sum()) if o is not None else 0,
-            num_emitted=int(o.num_emitted.sum()) if o is not None else 0,
-            num_prefill_tokens=m.num_prefill_tokens - prefill0,
-            num_running=sched.num_running, num_waiting=sched.num_waiting)
-        return outputs
+            time=time.perf_counter() - self.t0, step_time=o.step_time,
+            batch_size=o.batch_size, num_decode=o.num_decode,
+            gamma_sum=int(o.gammas.sum()), gamma_max=int(o.gammas.max(initial=0)),
+            num_verified=int(o.num_verified.sum()), num_accepted=int(o.num_accepted.sum()),
+            num_emitted=int(o.num_emitted.sum()), num_prefill_tokens=o.num_prefill_tokens,
+            num_running=o.num_running, num_waiting=o.num_waiting)
 
 
 async def drive(aengine, requests: list[wl.BenchRequest], sampling, recorder: StepRecorder,

@@ -1,0 +1,243 @@
+"""`jspec bench step`: what an engine step costs against the model work inside it.
+
+For each batch size B and fixed draft length γ the engine decodes B sequences steadily (every
+sequence past its prompt) and the benchmark prints, per step:
+
+* ``step``: the engine's ``LLMEngine.step`` wall time (median), as it runs when serving;
+* ``fwd``: the bare target forward over the very ragged batch that step verified (its compiled
+  executable replayed on the same inputs, median of 9 calls);
+* ``draft``: the bare draft loop on the same inputs (0 at γ = 0);
+* ``step / (fwd + draft)``: the engine's own overhead as a ratio (1.00 = none);
+* the share of each stage (``policies.base.STAGES``) in a second pass whose device stages are
+  synced (``LLMEngine.time_stages``), so the verify forward, sampling/acceptance and signals are
+  told apart.
+
+Then prefill: one request per prompt length, the engine's time to its first token against the
+bare forward over the same chunks. Everything runs in this one process; ``--trace DIR`` records
+the measured decode steps with the JAX profiler (open it in Perfetto or TensorBoard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target checkpoint (default: built-in pair)")
+    p.add_argument("--draft", default=None, help="draft checkpoint")
+    p.add_argument("--synthetic", metavar="SHAPE", default=None,
+                   help="random-weight models of this shape instead (e.g. qwen2.5-0.5b)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--gammas", type=int, nargs="+", default=[0, 1, 2, 4])
+    p.add_argument("--context", type=int, default=128,
+                   help="prompt tokens per sequence before decoding starts (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per point")
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[256, 1024],
+                   help="prompt lengths for the prefill rows (clipped to the context limit)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.add_argument("--trace", metavar="DIR",
+                   help="record the measured decode steps with jax.profiler into DIR")
+
+
+def _median(fn, repeats: int = 9) -> float:
+    """Median seconds of ``fn`` after one warm-up call: the same statistic as the engine's
+    step time (run to run, single calls on this 2-core machine vary by tens of percent)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bare_forward(engine, st) -> float:
+    """Seconds of the target forward alone over the batch a step verified."""
+    runner = engine.runner
+    exe = runner.verify_executable(st.batch.input_ids.shape[0], st.num_rows, st.gamma)
+    args = (st.draft_tokens, st.draft_slots) if st.gamma else ()
+
+    def call():
+        logits, runner.target_kv = exe(runner.target.params, runner.target_kv, st.batch, *args)
+        return logits
+
+    return _median(call)
+
+
+def bare_draft(engine, st) -> float:
+    """Seconds of the draft loop alone on the inputs a step drafted from (0 without one)."""
+    if not st.gamma or st.draft_inputs is None:
+        return 0.0
+    runner = engine.runner
+    return _median(lambda: runner.run_draft(*st.draft_inputs, st.sampling, st.gamma).tokens)
+
+
+def _engine(args, gamma: int, max_num_seqs: int, max_model_len: int | None):
+    from jspec.bench.serving import make_engine
+
+    policy = {"name": "static", "options": {"gamma": gamma}}
+    kwargs = {"num_speculative_tokens": max(args.gammas), "max_num_seqs": max_num_seqs,
+              "dtype": args.dtype}
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    return make_engine(args, policy, kwargs)
+
+
+def measure_decode(engine, batch: int, context: int, steps: int, trace: str | None = None
+                   ) -> dict:
+    import numpy as np
+
+    from jspec.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(batch)
+    vocab = engine.target.cfg.vocab_size
+    room = engine.rc.max_model_len - context - 1
+    sp = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, rng.integers(10, vocab, context).tolist(), sp)
+    while engine.scheduler.num_waiting or any(not s.is_decoding
+                                              for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):  # settle: draft catch-up after prefill, first compilations
+        engine.step()
+    times = []
+    if trace:
+        import jax
+
+        jax.profiler.start_trace(trace)
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    if trace:
+        import jax
+
+        jax.profiler.stop_trace()
+    step_s = statistics.median(times)
+    last = engine.last_step
+    fwd = bare_forward(engine, last)
+    draft = bare_draft(engine, last)
+    # second pass, device stages synced: the share of each stage
+    engine.time_stages = True
+    stage = {}
+    total = 0.0
+    for _ in range(steps):
+        engine.step()
+        o = engine.last_outcome
+        total += o.step_time
+        for k, v in o.stage_times.items():
+            stage[k] = stage.get(k, 0.0) + v
+    engine.time_stages = False
+    engine.abort_request(ids)
+    engine.step()  # deliver the aborts
+    return {"batch": batch, "gamma": last.gamma, "tokens": int(last.batch.input_ids.shape[0]),
+            "step_ms": step_s * 1e3, "target_forward_ms": fwd * 1e3, "draft_ms": draft * 1e3,
+            "overhead": step_s / (fwd + draft),
+            "stage_share": {k: v / total for k, v in stage.items()}}
+
+
+def measure_prefill(engine, length: int) -> dict:
+    """The engine's time from adding a prompt of ``length`` tokens to its first token, against
+    the bare forward replayed over the same chunks."""
+    import numpy as np
+
+    from jspec.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(length)
+    prompt = rng.integers(10, engine.target.cfg.vocab_size, length).tolist()
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def run(rid):
+        engine.add_request(rid, prompt, sp)
+        states = []
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            states.append(engine.last_step)
+        return time.perf_counter() - t, states
+
+    run(f"prefill-warm-{length}")  # compile what it needs
+    seconds, states = min((run(f"prefill-{length}-{i}") for i in range(3)), key=lambda r: r[0])
+    fwd = sum(bare_forward(engine, st) for st in states)
+    return {"prompt_tokens": length, "chunks": len(states), "engine_ms": seconds * 1e3,
+            "target_forward_ms": fwd * 1e3, "engine_tok_s": length / seconds,
+            "forward_tok_s": length / fwd, "overhead": seconds / fwd}
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+
+    if min(args.batch_sizes) < 1 or min(args.gammas) < 0 or args.steps < 1:
+        raise ValueError("--batch-sizes must be >= 1, --gammas >= 0, --steps >= 1")
+    if args.context < 1:
+        raise ValueError(f"--context must be >= 1, got {args.context}")
+    if (args.target is None) != (args.draft is None):
+        raise ValueError("give both --target and --draft, or neither for the built-in pair")
+    if args.synthetic is not None:
+        from jspec.synthetic import check_shape
+
+        check_shape(args.synthetic, args.target)
+    max_seqs = max(args.batch_sizes)
+    need = args.context + args.steps * 2 * (max(args.gammas) + 1) + 16
+    engines = {}
+    print(f"jspec bench step: backend {jax.default_backend()}, jax {jax.__version__}, "
+          f"models: {_describe(args)}", flush=True)
+    rows = []
+    header = (f"{'B':>3} {'γ':>2} {'tokens':>6} {'step ms':>8} {'fwd ms':>8} {'draft ms':>8} "
+              f"{'step/(fwd+draft)':>16}   stage shares (synced pass)")
+    print(header)
+    for gamma in args.gammas:
+        engine = _engine(args, gamma, max_seqs, None)
+        if need > engine.rc.max_model_len:
+            raise ValueError(f"--context {args.context} with {args.steps} steps needs "
+                             f"{need} tokens, the model allows {engine.rc.max_model_len}")
+        engines[gamma] = engine
+        for batch in args.batch_sizes:
+            trace = (f"{args.trace}/B{batch}-g{gamma}" if args.trace else None)
+            row = measure_decode(engine, batch, args.context, args.steps, trace)
+            row["gamma"] = gamma
+            rows.append(row)
+            shares = " ".join(f"{k} {100 * v:.0f}%" for k, v in row["stage_share"].items()
+                              if v >= 0.005)
+            print(f"{batch:>3} {gamma:>2} {row['tokens']:>6} {row['step_ms']:>8.2f} "
+                  f"{row['target_forward_ms']:>8.2f} {row['draft_ms']:>8.2f} "
+                  f"{row['overhead']:>16.2f}   {shares}", flush=True)
+    prefill = []
+    if args.prefill_lens:
+        engine = engines[args.gammas[0]]
+        print(f"\nprefill (one request, chunks of at most {engine.rc.max_num_batched_tokens} "
+              f"tokens)")
+        print(f"{'prompt':>6} {'chunks':>6} {'engine ms':>9} {'fwd ms':>8} {'engine tok/s':>12} "
+              f"{'fwd tok/s':>10} {'engine/fwd':>10}")
+        for length in args.prefill_lens:
+            length = min(length, engine.rc.max_model_len - 2)
+            r = measure_prefill(engine, length)
+            prefill.append(r)
+            print(f"{length:>6} {r['chunks']:>6} {r['engine_ms']:>9.1f} "
+                  f"{r['target_forward_ms']:>8.1f} {r['engine_tok_s']:>12.0f} "
+                  f"{r['forward_tok_s']:>10.0f} {r['overhead']:>10.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"decode": rows, "prefill": prefill, "models": _describe(args),
+                       "backend": jax.default_backend()}, f, indent=1)
+    return 0
+
+
+def _describe(args) -> str:
+    if args.synthetic:
+        return f"synthetic {args.synthetic} (random weights)"
+    if args.target:
+        return f"{args.target} + {args.draft}"
+    return "the built-in default pair"
+
+
+if __name__ == "__main__":
+    sys.exit(run(argparse.ArgumentParser().parse_args()))

@@ -1,0 +1,65 @@
+"""What the rest of jspec reads about a running engine: its fixed limits and a live snapshot.
+
+``LLMEngine.limits`` (an ``EngineLimits``, fixed once the engine is built) and
+``LLMEngine.stats()`` (an ``EngineStats``, taken on each call) are the engine's read-only surface
+for the server (``serve/``), the CLI and the benchmarks, so none of them reach into the
+scheduler, the block manager or the resolved config. ``AsyncLLMEngine`` passes both through.
+
+Plain dataclasses, no JAX: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """What an engine can hold, fixed for its lifetime."""
+
+    max_model_len: int  # tokens one sequence may hold (prompt + output), from the config
+    kv_capacity_tokens: int  # token slots in the whole KV cache (usable blocks × block_size)
+    # tokens one sequence may really hold: min(max_model_len, kv_capacity_tokens). A prompt may
+    # have at most context_limit - 1 tokens (LLMEngine.validate_request), and a request's
+    # output is clipped so prompt + output stays within it
+    context_limit: int
+    max_num_seqs: int  # sequences in one step: the most requests that run at once
+    max_num_batched_tokens: int  # target tokens one step may process
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int  # usable KV blocks (the null block excluded)
+    vocab_size: int
+    has_draft: bool  # False: plain decoding, nothing to speculate with
+    policy: str  # the speculation policy's name
+    max_gamma: int  # the most draft tokens a sequence may get in one step
+    gamma_buckets: tuple[int, ...]  # the γ values steps are compiled for ((0,) without a draft)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt a request may have (one token must remain for the output)."""
+        return self.context_limit - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's load and counters.
+
+    Taken without a lock: called from another thread while the engine steps, each field is read
+    whole, but fields may come from consecutive steps (``num_running`` before a step and
+    ``num_waiting`` after it, say)."""
+
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # requests waiting for a slot (the queue depth)
+    kv_blocks_total: int  # usable KV blocks
+    kv_blocks_used: int  # held by sequences
+    kv_blocks_free: int
+    draft_resident: bool  # the draft model's weights are on the device
+    metrics: dict[str, Any]  # EngineMetrics.as_dict(): counters since the engine was built
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def num_steps(self) -> int:
+        return self.metrics["num_steps"]

@@ -1,0 +1,85 @@
+"""One engine step's state (``StepState``) and its stage clock (``StageClock``).
+
+``LLMEngine.step`` fills a StepState stage by stage (plan, catch-up, draft, select, verify,
+accept, commit) instead of threading a dozen arguments through helpers; the device arrays it
+holds stay on device until the step's one transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jspec.input_batch import RowWork
+from policies.base import STAGES, BatchView, DraftPlan
+
+
+@dataclasses.dataclass(eq=False)
+class StepState:
+    rows: list[RowWork]  # scheduled sequences in schedule order (the row order of every call)
+    decode_idx: np.ndarray  # rows that decode (may speculate), in the view's order
+    num_rows: int  # the sequence bucket the rows are padded to
+    num_prefill_tokens: int
+    view: BatchView | None = None
+    plan: DraftPlan | None = None
+    gamma: int = 0  # the γ bucket: 0 means no draft work and no draft tensors at all
+    table: np.ndarray | None = None  # page table [num_rows, max_pages]
+    sampling: Any = None  # SamplingTensors [num_rows]
+    draft: Any = None  # DraftResult (device), when the step drafted
+    num_drafted: Any = None  # [num_rows] drafted tokens to verify (device, or host after select)
+    draft_inputs: tuple | None = None  # the draft loop's host inputs (benchmarks replay them)
+    batch: Any = None  # the verify batch (ModelInput, drafts as placeholders)
+    draft_slots: np.ndarray | None = None  # [num_rows, γ] where each draft goes in ``batch``
+    catch_up_tokens: int = 0
+    fetch_time: float = 0.0  # the result transfer (inside the commit stage)
+    num_tokens: int = 0  # target tokens in the verify batch
+
+    @property
+    def has_prefill(self) -> bool:
+        return len(self.decode_idx) < len(self.rows)
+
+    @property
+    def decode_rows(self) -> list[RowWork]:
+        return [self.rows[i] for i in self.decode_idx]
+
+    @property
+    def draft_tokens(self):
+        return None if self.draft is None else self.draft.tokens
+
+    @property
+    def draft_logits(self):
+        return None if self.draft is None else self.draft.logits
+
+    def row_gammas(self) -> np.ndarray:
+        """Verified draft slots per padded row (0 for prefill and padding rows)."""
+        out = np.zeros(self.num_rows, np.int64)
+        for i in self.decode_idx.tolist():
+            out[i] = self.rows[i].gamma_verify
+        return out
+
+
+class StageClock:
+    """Wall time per stage of a step (``policies.base.STAGES``). With ``sync`` each device
+    stage waits for its outputs before the lap closes, so the split between device stages is
+    exact (benchmarks); without it a lap closes at dispatch and device time lands in whichever
+    later stage first waits for it (the step's total is right either way)."""
+
+    def __init__(self, sync: bool = False):
+        self.sync = sync
+        self.start = self.last = time.perf_counter()
+        self.times = dict.fromkeys(STAGES, 0.0)
+
+    def lap(self, stage: str, *outputs) -> None:
+        if self.sync and outputs:
+            jax.block_until_ready(outputs)
+        now = time.perf_counter()
+        self.times[stage] += now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start

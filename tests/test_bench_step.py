@@ -1,0 +1,76 @@
+"""`jspec bench step` and the per-step record it reads: shapes, stage accounting, prefill chunks,
+and the engine computing only the signals its policy declares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_engine, run_to_completion
+from jspec.bench.step import measure_decode, measure_prefill
+from jspec.sampling_params import SamplingParams
+from policies import make_policy
+from policies.base import STAGES
+
+
+@pytest.fixture(scope="module")
+def static_engine(engine_models):
+    target, draft, _ = engine_models
+    return make_engine(target, draft, policy=make_policy("static", 7, gamma=3), warmup=False)
+
+
+def test_measure_decode_replays_the_step_it_timed(static_engine):
+    engine = static_engine
+    row = measure_decode(engine, batch=3, context=10, steps=3)
+    # 3 decoding rows -> row bucket 4; γ = 3 -> γ bucket 4: a decode-only step is exactly
+    # rows x (1 + γ bucket) tokens wide
+    assert row["batch"] == 3 and row["gamma"] == 4
+    assert row["tokens"] == 4 * (1 + 4) == engine.rc.verify_tokens(12, 4, 4, False)
+    assert row["target_forward_ms"] > 0 and row["draft_ms"] > 0
+    shares = row["stage_share"]
+    assert set(shares) == set(STAGES)
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-6)
+    assert shares["draft"] > 0 and shares["verify"] > 0
+    assert not engine.time_stages and not engine.has_unfinished_requests()
+
+
+def test_measure_prefill_counts_the_engine_chunks(static_engine):
+    engine = static_engine
+    budget = engine.rc.max_num_batched_tokens  # 64 in the test shapes
+    r = measure_prefill(engine, 100)
+    assert r["chunks"] == -(-100 // budget) == 2
+    assert r["prompt_tokens"] == 100 and r["target_forward_ms"] > 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_every_step_yields_one_record_prefill_only_steps_included(engine_models):
+    target, draft, _ = engine_models
+    engine = make_engine(target, draft, policy=make_policy("static", 7, gamma=2), warmup=False)
+    seen = []
+    engine.add_step_listener(seen.append)
+    run_to_completion(engine, [list(range(3, 100))], SamplingParams(max_tokens=6, temperature=0))
+    assert len(seen) == engine.metrics.num_steps
+    first = seen[0]  # 97 prompt tokens over a 64-token budget: a prefill-only step first
+    assert first.num_decode == 0 and first.num_prefill_tokens == 64 and first.gamma_bucket == 0
+    assert sum(o.num_prefill_tokens for o in seen) == 97 == engine.metrics.num_prefill_tokens
+    assert sum(int(o.num_emitted.sum()) for o in seen) + 1 == 6  # the prefill's own token
+    assert engine.metrics.stage_time["verify"] == pytest.approx(
+        sum(o.stage_times["verify"] for o in seen))
+
+
+@pytest.mark.parametrize("policy, present", [("static", set()), ("dsde", {"kl"})])
+def test_only_declared_signals_are_computed(engine_models, policy, present):
+    target, draft, _ = engine_models
+    pol = make_policy(policy, 7)
+    assert pol.signals == present
+    engine = make_engine(target, draft, policy=pol, warmup=False)
+    assert engine.runner.signals == tuple(sorted(present))
+    outcomes = []
+    engine.add_step_listener(outcomes.append)
+    run_to_completion(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0))
+    verified = [o for o in outcomes if o.num_decode and o.num_verified.sum()]
+    assert verified, "the policy never drafted"
+    for o in verified:
+        for name in ("accept_prob", "kl", "draft_entropy", "confidence"):
+            row = getattr(o, name)[0, :int(o.num_verified[0])]
+            assert np.isnan(row).all() != (name in present), name
