@@ -9,6 +9,7 @@ compilation in the process, so tests can assert that).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -47,7 +48,13 @@ def compile_events() -> int:
     return _backend_compiles[0]
 
 
-_EXECUTABLES: dict[tuple, Any] = {}
+# Process-wide executables, least recently used first. Bounded: each XLA:CPU executable maps
+# ~250 memory regions, and a process that builds many engines (a notebook, the test suite)
+# would otherwise reach the kernel's limit of 65530 maps and crash inside the next compile.
+# An engine keeps its own references (ModelRunner._local), so eviction never takes an
+# executable from a live engine; it only lets those of dropped engines be freed.
+_EXECUTABLES: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+MAX_CACHED_EXECUTABLES = 128
 
 
 def enable_persistent_compilation_cache(path: str) -> None:
@@ -122,6 +129,10 @@ class ModelRunner:
                 self.compile_seconds += time.perf_counter() - t0
                 self.num_compiled += 1
                 _EXECUTABLES[full_key] = exe
+                while len(_EXECUTABLES) > MAX_CACHED_EXECUTABLES:
+                    _EXECUTABLES.popitem(last=False)
+            else:
+                _EXECUTABLES.move_to_end(full_key)
         self._local[key] = exe
         return exe
 
