@@ -91,18 +91,15 @@ class LLMEngine:
             lookahead_slots=max(self.policy.possible_gammas()),
             enable_chunked_prefill=config.enable_chunked_prefill,
         ), self.block_manager)
-        self.synthetic = None
         runner_cls = ModelRunner
         if config.synthetic_acceptance is not None and draft is not None:
             from jspec.synthetic import parse_acceptance, synthetic_runner
 
-            self.synthetic = parse_acceptance(config.synthetic_acceptance, seed=config.seed)
-            runner_cls = synthetic_runner(ModelRunner)
+            runner_cls = synthetic_runner(
+                ModelRunner, parse_acceptance(config.synthetic_acceptance, seed=config.seed))
         self.runner = runner_cls(target, draft, self.rc, self.gamma_buckets, kv_dtype,
                                  signals=self.policy.signals if draft is not None else (),
                                  draft_stats=self.policy.wants_draft_stats)
-        if self.synthetic is not None:
-            self.runner.acceptance = self.synthetic
         self.target, self.draft = target, draft
         self.metrics = EngineMetrics(max_gamma=self.max_gamma)
         self.eos_token_ids = set(target.cfg.eos_token_ids)

@@ -231,13 +231,11 @@ def synthetic_models(shape: str, dtype: str = "bfloat16"):
     return models[0], models[1]
 
 
-def synthetic_runner(runner_cls):
-    """``runner_cls`` subclass whose ``fetch`` rewrites acceptance with a SyntheticAcceptance
+def synthetic_runner(runner_cls, acceptance: SyntheticAcceptance):
+    """``runner_cls`` subclass whose ``fetch`` rewrites acceptance with ``acceptance``
     (benchmarking only; keeps the acceptance model out of the engine's step)."""
 
     class SyntheticAcceptanceRunner(runner_cls):
-        acceptance: SyntheticAcceptance
-
         def fetch(self, result, signals, num_drafted, draft_tokens, gammas):
             result, signals, drafted = super().fetch(result, signals, num_drafted, draft_tokens,
                                                      gammas)
@@ -248,4 +246,5 @@ def synthetic_runner(runner_cls):
                                                gammas)
             return result, signals, drafted
 
+    SyntheticAcceptanceRunner.acceptance = acceptance  # the class is made per engine
     return SyntheticAcceptanceRunner
