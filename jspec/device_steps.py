@@ -80,42 +80,45 @@ def draft_loop(
         active = active & (k < gammas) & (cum_conf >= stop_confidence) & (entropy <= stop_entropy)
         return tokens, conf, entropy, active
 
+    # One sampling site: each iteration samples token k from the logits it carries, then (only
+    # while some row may draft token k + 1) feeds token k to the draft for the next logits. The
+    # sampling graph costs more compile time than the draft's forward, so it is built once.
     logits0, kv = forward(params, kv, first, cfg=cfg, attention_fn=attention_fn)
-    tok0, conf0, ent0, active = draft_one(logits0, 0, gammas > 0, jnp.ones((num_rows,)))
-    tokens = jnp.zeros((num_rows, num_steps), jnp.int32).at[:, 0].set(tok0)
-    logits_buf = jnp.zeros((num_rows, num_steps, vocab), jnp.float32).at[:, 0].set(logits0)
-    conf_buf = jnp.zeros((num_rows, num_steps), jnp.float32).at[:, 0].set(conf0)
-    ent_buf = jnp.zeros((num_rows, num_steps), jnp.float32).at[:, 0].set(ent0)
-    num_drafted = active.astype(jnp.int32)
-    cum_conf = jnp.where(active, conf0, 0.0)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
+
+    def feed(k, tok, more, kv):
+        md = AttentionMetadata(
+            positions=jnp.where(more, next_positions + k, 0),
+            cu_q_lens=jnp.arange(num_rows + 1, dtype=jnp.int32),
+            kv_lens=jnp.where(more, next_positions + k + 1, 0),
+            page_table=jnp.where(more[:, None], page_table, 0),
+        )
+        return forward(params, kv, ModelInput(tok, md, rows), cfg=cfg, attention_fn=attention_fn)
 
     def cond(state):
         k, active = state[0], state[1]
         return (k < num_steps) & jnp.any(active)
 
     def body(state):
-        k, active, kv, tokens, logits_buf, conf_buf, ent_buf, num_drafted, cum_conf = state
-        md = AttentionMetadata(
-            positions=jnp.where(active, next_positions + k - 1, 0),
-            cu_q_lens=jnp.arange(num_rows + 1, dtype=jnp.int32),
-            kv_lens=jnp.where(active, next_positions + k, 0),
-            page_table=jnp.where(active[:, None], page_table, 0),
-        )
-        batch = ModelInput(tokens[:, k - 1], md, rows)
-        logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
-        tok, conf, ent, still = draft_one(logits, k, active, cum_conf)
+        k, active, kv, logits, tokens, logits_buf, conf_buf, ent_buf, num_drafted, cum_conf = state
+        tok, conf, ent, drafted = draft_one(logits, k, active, cum_conf)
         tokens = tokens.at[:, k].set(tok)
         logits_buf = logits_buf.at[:, k].set(logits)
         conf_buf = conf_buf.at[:, k].set(conf)
         ent_buf = ent_buf.at[:, k].set(ent)
-        num_drafted = num_drafted + still.astype(jnp.int32)
-        cum_conf = jnp.where(still, cum_conf * conf, cum_conf)
-        return k + 1, still, kv, tokens, logits_buf, conf_buf, ent_buf, num_drafted, cum_conf
+        num_drafted = num_drafted + drafted.astype(jnp.int32)
+        cum_conf = jnp.where(drafted, cum_conf * conf, cum_conf)
+        more = drafted & (k + 1 < gammas)
+        logits, kv = jax.lax.cond(jnp.any(more), lambda kv: feed(k, tok, more, kv),
+                                  lambda kv: (logits, kv), kv)
+        return (k + 1, more, kv, logits, tokens, logits_buf, conf_buf, ent_buf, num_drafted,
+                cum_conf)
 
-    state = (jnp.int32(1), active, kv, tokens, logits_buf, conf_buf, ent_buf, num_drafted,
-             cum_conf)
-    _, _, kv, tokens, logits_buf, conf_buf, ent_buf, num_drafted, _ = jax.lax.while_loop(
+    zeros = jnp.zeros((num_rows, num_steps), jnp.float32)
+    state = (jnp.int32(0), gammas > 0, kv, logits0, jnp.zeros((num_rows, num_steps), jnp.int32),
+             jnp.zeros((num_rows, num_steps, vocab), jnp.float32), zeros, zeros,
+             jnp.zeros((num_rows,), jnp.int32), jnp.ones((num_rows,), jnp.float32))
+    _, _, kv, _, tokens, logits_buf, conf_buf, ent_buf, num_drafted, _ = jax.lax.while_loop(
         cond, body, state)
     return DraftResult(tokens, logits_buf, num_drafted, conf_buf, ent_buf), kv
 

@@ -1,7 +1,7 @@
 """Model runner: the models' params and KV pools on device, and their compiled step functions.
 
 Every device function is compiled ahead of time once per shape bucket (``jax.jit(...).lower(
-specs).compile()``) and kept in a process-wide cache keyed by everything that determines the
+specs)``, then ``compile_lowered``) and kept in a process-wide cache keyed by everything that determines the
 executable, so two engines over the same models share compilations. ``warmup`` compiles every
 bucket the engine can reach; after it, serving never compiles (``compile_events`` counts every XLA
 compilation in the process, so tests can assert that).
@@ -64,6 +64,27 @@ def enable_persistent_compilation_cache(path: str) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# XLA:CPU options for every executable the runner builds. XLA's MLIR fusion emitters (its
+# default) compiled this engine's executables 1.7x slower than the LLVM IR emitters they
+# replaced (serve's 28 buckets: 56 s against 33 s) and ran no faster (docs/benchmarks.md,
+# "Start-up"). Passed per compilation, not through XLA_FLAGS, so an XLA without the option
+# only loses the speed-up (an unknown name in XLA_FLAGS would abort the process).
+CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+_cpu_options_known = [True]
+
+
+def compile_lowered(lowered):
+    """``lowered.compile()`` with ``CPU_COMPILE_OPTIONS`` on the CPU backend."""
+    if jax.default_backend() == "cpu" and _cpu_options_known[0]:
+        try:
+            return lowered.compile(compiler_options=CPU_COMPILE_OPTIONS)
+        except Exception as e:  # noqa: BLE001 - only "this XLA lacks the option" is handled
+            if "No such compile option" not in str(e):
+                raise
+            _cpu_options_known[0] = False
+    return lowered.compile()
 
 
 def _spec(tree):
@@ -173,7 +194,7 @@ class ModelRunner:
             else:
                 fn = functools.partial(forward, cfg=self.target.cfg,
                                        attention_fn=self._attn)
-            return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
+            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
         return self._executable(("verify", num_tokens, num_seqs, gamma), self.target, build)
 
@@ -193,7 +214,7 @@ class ModelRunner:
                           jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
                           jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
                           jax.ShapeDtypeStruct((num_seqs,), jnp.int32)]
-            return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
+            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
         return self._executable(("verify_accept", num_seqs, gamma), self.target, build)
 
@@ -203,7 +224,8 @@ class ModelRunner:
             vocab = self.target.cfg.vocab_size
             logits = jax.ShapeDtypeStruct((num_seqs * (gamma + 1), vocab), jnp.float32)
             if not gamma:
-                return jax.jit(sample_tokens).lower(logits, self._sampling_spec(num_seqs)).compile()
+                return compile_lowered(jax.jit(sample_tokens).lower(
+                    logits, self._sampling_spec(num_seqs)))
             specs = (
                 logits,
                 jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
@@ -211,7 +233,7 @@ class ModelRunner:
                 jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
                 self._sampling_spec(num_seqs),
             )
-            return jax.jit(rejection_sample).lower(*specs).compile()
+            return compile_lowered(jax.jit(rejection_sample).lower(*specs))
 
         return self._executable(("accept", num_seqs, gamma, self.target.cfg.vocab_size), None,
                                 build)
@@ -224,7 +246,7 @@ class ModelRunner:
             specs = (jax.ShapeDtypeStruct((num_seqs * (gamma + 1), vocab), jnp.float32),
                      jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
                      jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32))
-            return jax.jit(fn).lower(*specs).compile()
+            return compile_lowered(jax.jit(fn).lower(*specs))
 
         return self._executable(("signals", num_seqs, gamma, self.target.cfg.vocab_size,
                                  self.signals), None, build)
@@ -246,7 +268,7 @@ class ModelRunner:
                 jax.ShapeDtypeStruct(s, f32),
                 self._sampling_spec(num_seqs),
             )
-            return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
+            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
         return self._executable(("draft", num_seqs, gamma, self.draft_stats), self.draft, build)
 
@@ -258,7 +280,7 @@ class ModelRunner:
                                    attention_fn=self._attn)
             specs = (_spec(self.draft.params), _spec(self.draft_kv),
                      self._input_spec(num_tokens, self.catch_up_rows, 2))
-            return jax.jit(fn, donate_argnums=(1,)).lower(*specs).compile()
+            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
         return self._executable(("catch_up", num_tokens, self.catch_up_rows), self.draft, build)
 

@@ -1,9 +1,9 @@
 """On-device sampling: logit processing, draft sampling, lossless rejection sampling, signals.
 
 Everything here is jittable and batched over sequence rows. Each row carries its own sampling
-parameters (temperature 0 = greedy) and its own PRNG key, derived from the request's seed and the
-sequence length at the step, so a seeded request samples the same tokens whatever else shares
-its batch.
+parameters (temperature 0 = greedy) and its own random stream, derived from the request's seed and
+the sequence length at the step (``row_uniforms``), so a seeded request samples the same tokens
+whatever else shares its batch.
 
 Lossless rule (papers.md, "Lossless speculative step"): a drafted token x_j is accepted with
 probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection the emitted token is sampled from
@@ -36,19 +36,34 @@ class SamplingTensors:
     counters: jax.Array  # int32 (the sequence length when the step starts)
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+    """A bijective avalanche mix of uint32 words ("lowbias32": xorshift-multiply rounds)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
 def row_uniforms(st: SamplingTensors, stream: int, count: int) -> jax.Array:
     """``count`` uniforms in (0, 1] per row for a named random stream of this step: [S, count].
 
     Number j depends only on (seed, step counter, stream, j), never on ``count``: the γ bucket a
     step was compiled for must not change what a seeded request samples.
+
+    The generator is counter-based: a chain of integer mixes over (seed, counter, stream, j),
+    24 bits per uniform. ``jax.random``'s threefry gives the same reproducibility, but its graph
+    cost ~0.9 s of XLA:CPU compile time per call site, and every sampling executable has one to
+    three (docs/benchmarks.md, "Start-up"); these mixes compile in milliseconds.
     """
-
-    def one(seed, counter):
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), counter * 8 + stream)
-        draw = lambda j: jax.random.uniform(jax.random.fold_in(key, j), (), jnp.float32)
-        return 1.0 - jax.vmap(draw)(jnp.arange(count))
-
-    return jax.vmap(one)(st.seeds, st.counters)
+    seeds = st.seeds.astype(jnp.uint32)[:, None]
+    step = (st.counters.astype(jnp.uint32) * jnp.uint32(8) + jnp.uint32(stream))[:, None]
+    j = jnp.arange(count, dtype=jnp.uint32)[None, :]
+    h = _mix32(seeds ^ jnp.uint32(0x9E3779B9))
+    h = _mix32(h ^ step)
+    h = _mix32(h + j * jnp.uint32(0x632BE5AB))
+    h = _mix32(h ^ jnp.uint32(0x85EBCA6B))
+    return ((h >> 8).astype(jnp.float32) + 1.0) * jnp.float32(2.0 ** -24)
 
 
 def sample_from_probs(probs: jax.Array, u: jax.Array) -> jax.Array:
@@ -148,11 +163,18 @@ def verify_signals(target_logits: jax.Array, draft_logits: jax.Array, draft_toke
 
 
 def sample_tokens(logits: jax.Array, st: SamplingTensors) -> VerifyResult:
-    """Plain decoding (γ = 0 for every row): one token per row from logits [S, V]."""
-    num_rows, vocab = logits.shape
-    return rejection_sample(logits, jnp.zeros((num_rows, 0, vocab), jnp.float32),
-                            jnp.zeros((num_rows, 0), jnp.int32),
-                            jnp.zeros((num_rows,), jnp.int32), st)
+    """Plain decoding (γ = 0 for every row): one token per row from logits [S, V]. Draws what
+    ``rejection_sample`` would with no drafts (the bonus token, from the same random stream),
+    without its draft-side graph."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def random_rows(_):
+        u = row_uniforms(st, stream=2, count=1)[:, 0]
+        drawn = sample_from_probs(jnp.exp(processed_logprobs(logits, st)), u)
+        return jnp.where(st.temperature > 0, drawn, greedy)
+
+    tokens = jax.lax.cond(jnp.any(st.temperature > 0), random_rows, lambda _: greedy, None)
+    return VerifyResult(tokens[:, None], jnp.zeros((logits.shape[0],), jnp.int32))
 
 
 def rejection_sample(
