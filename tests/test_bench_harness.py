@@ -204,6 +204,27 @@ def test_trace_errors(tmp_path):
         A.trace_arrivals(t, time_scale=0)
 
 
+def test_trace_option_takes_any_azure_format_csv(tmp_path, monkeypatch):
+    """`jspec bench serving --trace PATH` replays any CSV in the Azure format, not only the
+    shipped names; a name that is neither fails with what is accepted."""
+    from jspec.bench import serving
+
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    own = write(tmp_path / "kept_back.csv", HAND)
+    args = parser.parse_args(["--arrivals", "trace", "--trace", str(own), "--time-scale", "2"])
+    arrivals = serving.build_arrivals(args)
+    np.testing.assert_allclose(arrivals.times, [0.0, 4e-7, 5.0000002])
+    assert arrivals.context_tokens.tolist() == [100, 200, 300]
+    monkeypatch.setenv("JSPEC_DATA_DIR", str(tmp_path))
+    assert A.trace_path("conv") == tmp_path / A.TRACE_FILES["conv"]
+    with pytest.raises(ValueError, match="shipped trace .*code, conv"):
+        A.trace_path("azure-2024")
+    with pytest.raises(ValueError, match="not found"):
+        serving.build_arrivals(parser.parse_args(["--arrivals", "trace", "--trace",
+                                                  str(tmp_path / "missing.csv")]))
+
+
 # ----------------------------------------------------------------------------- metric math
 def timeline() -> list[RequestRecord]:
     a = RequestRecord("a", arrival=0.0, prompt_tokens=10, max_tokens=4,

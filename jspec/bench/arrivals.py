@@ -260,12 +260,18 @@ class AzureTrace:
         return os.path.basename(self.path)
 
 
-def trace_path(name: str) -> Path:
+def trace_path(name_or_path: str) -> Path:
+    """A shipped trace's name (its file in the shared data directory) or any CSV's path."""
     from jspec.bench.workloads import data_dir
 
-    if name not in TRACE_FILES:
-        raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACE_FILES)}")
-    return data_dir() / TRACE_FILES[name]
+    if name_or_path in TRACE_FILES:
+        return data_dir() / TRACE_FILES[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() != ".csv" and not path.exists():
+        raise ValueError(f"unknown trace {name_or_path!r}: give a shipped trace "
+                         f"({', '.join(TRACE_FILES)}) or the path of a CSV in the Azure trace "
+                         "format")
+    return path
 
 
 def _timestamp_seconds(text: str, where: str) -> tuple[int, float]:

@@ -119,8 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--burst-period", type=float, default=10.0)
     load.add_argument("--burst-size", type=int, default=8)
     load.add_argument("--burst-base-rate", type=float, default=0.0)
-    load.add_argument("--trace", choices=sorted(arr.TRACE_FILES), default="conv")
-    load.add_argument("--trace-file", metavar="PATH", help="default: the shared data copy")
+    load.add_argument("--trace", default="conv", metavar="NAME|PATH",
+                      help=f"a shipped Azure trace ({', '.join(sorted(arr.TRACE_FILES))}: the "
+                           "shared data copy) or the path of any CSV in the Azure trace format "
+                           "(TIMESTAMP, ContextTokens, GeneratedTokens) (default: %(default)s)")
     load.add_argument("--time-scale", type=float, default=1.0,
                       help="trace: multiply arrival times (2 = half the rate)")
     load.add_argument("--rate-scale", type=float, default=1.0,
@@ -211,7 +213,7 @@ def build_arrivals(args: argparse.Namespace) -> arr.Arrivals:
         return arr.burst(args.burst_period, args.burst_size, duration=duration,
                          num_requests=num, base_rate=args.burst_base_rate, seed=args.seed,
                          process=args.process)
-    trace = arr.read_azure_trace(args.trace_file or arr.trace_path(args.trace))
+    trace = arr.read_azure_trace(arr.trace_path(args.trace))
     if not args.time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
     window = None if duration is None else duration / args.time_scale
