@@ -148,11 +148,13 @@ def resolve(config: EngineConfig, target_max_positions: int, kv_bytes_per_block:
     else:
         num_blocks = config.max_num_seqs * pages_per_seq + 1
     seq_buckets = []
-    b = 2  # never 1 row: a 1-row bf16 matmul is several times slower than 2 rows on CPU
+    # from 1 row: at B = 1 a 2-row bucket verified twice the tokens it needed (10 instead of 5
+    # at γ = 4) and measured ~30% slower end to end (docs/benchmarks.md, "Against PyTorch")
+    b = 1
     while b < config.max_num_seqs:
         seq_buckets.append(b)
         b *= 2
-    seq_buckets.append(max(2, config.max_num_seqs))
+    seq_buckets.append(config.max_num_seqs)
     token_buckets = []
     t = max(config.min_token_bucket, 2)
     while t < budget:
