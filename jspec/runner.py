@@ -1,8 +1,8 @@
 """Model runner: the models' params and KV pools on device, and their compiled step functions.
 
 Every device function is compiled ahead of time once per shape bucket (``jax.jit(...).lower(
-specs)``, then ``compile_lowered``) and kept in a process-wide cache keyed by everything that determines the
-executable, so two engines over the same models share compilations. ``warmup`` compiles every
+specs)``, then ``compile_lowered``) and kept in a process-wide cache keyed by everything that
+determines the executable, so two engines over the same models share compilations. ``warmup`` compiles every
 bucket the engine can reach; after it, serving never compiles (``compile_events`` counts every XLA
 compilation in the process, so tests can assert that).
 """
