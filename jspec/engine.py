@@ -283,11 +283,31 @@ class LLMEngine:
             self.metrics.policy_time += time.perf_counter() - t_policy
             self.metrics.policy_calls += 1
             self._apply_plan(st)
+            self._reclaim(sched, st)
         st.gamma = gamma_bucket(self.gamma_buckets,
                                 max((r.gamma_planned for r in st.decode_rows), default=0))
         st.table = ib.page_tables(rows, st.num_rows, self.rc.max_pages, self.block_manager)
         st.sampling = ib.sampling_tensors(rows, st.num_rows)
         return st
+
+    def _reclaim(self, sched, st: StepState) -> None:
+        """Spend the lookahead budget the plan left unused on prefill (Scheduler.reclaim): a
+        policy that plans γ = 0 under load must not slow prefill down to the pace of Γmax."""
+        kept = [r.gamma_planned if r.is_decode else 0 for r in st.rows]
+        if not self.scheduler.reclaim(sched, kept):
+            return
+        rows = st.rows
+        for i, s in enumerate(sched.scheduled):
+            if i < len(rows) and rows[i].is_decode:
+                rows[i].lookahead = s.num_lookahead_slots
+            elif i < len(rows):
+                rows[i].num_new_tokens, rows[i].samples = s.num_new_tokens, s.samples
+            else:  # admitted: a prefill chunk
+                rows.append(ib.RowWork(s.seq, s.num_new_tokens, s.is_decode, s.samples,
+                                       s.num_lookahead_slots))
+        st.num_prefill_tokens = sum(r.num_new_tokens for r in rows if not r.is_decode)
+        st.num_rows = (self.rc.seq_bucket(len(rows)) if len(st.decode_idx) == len(rows)
+                       else self.rc.seq_buckets[-1])
 
     def _apply_plan(self, st: StepState) -> None:
         plan = st.plan

@@ -266,44 +266,112 @@ class Scheduler:
         # Admit waiting sequences in strict FCFS order. Not after a preemption: memory just ran
         # out, and admitting now would only preempt again next step.
         if not preempted:
-            waiting = self._waiting
-            max_num_seqs = config.max_num_seqs
-            while waiting and budget > 0 and len(running) < max_num_seqs:
-                seq = waiting[0]
-                request_id = seq.request_id
-                num_tokens = seq.num_tokens
-                num_computed = seq.num_computed
-                remaining = num_tokens - num_computed
-                if remaining == 1:
-                    capacity = bm.num_free_blocks * block_size
-                    if bm.has(request_id):
-                        capacity += bm.num_slots(request_id)
-                    la = min(lookahead, max_model_len - num_tokens, budget - 1,
-                             capacity - num_tokens)
-                    if la < 0:
-                        la = 0
-                    if not bm.allocate(request_id, num_tokens + la):
-                        break
-                    cost = 1 + la
-                    item = ScheduledSeq(seq, 1, True, la, True)
-                else:
-                    if chunked:
-                        num_new = remaining if remaining < budget else budget
-                    elif remaining <= budget:
-                        num_new = remaining
-                    else:
-                        break
-                    if not bm.allocate(request_id, num_computed + num_new):
-                        break
-                    cost = num_new
-                    item = ScheduledSeq(seq, num_new, False, 0, num_new == remaining)
-                waiting.popleft()
-                seq.status = SequenceStatus.RUNNING
-                running[request_id] = seq
-                budget -= cost
-                scheduled.append(item)
+            budget = self._admit(budget, scheduled, prefill_only=False)
 
         return SchedulerOutput(scheduled, preempted, config.max_num_batched_tokens - budget)
+
+    def _admit(self, budget: int, scheduled: list[ScheduledSeq], prefill_only: bool) -> int:
+        """Admit waiting sequences in FCFS order while budget, KV and max_num_seqs allow;
+        returns the budget left. ``prefill_only``: stop at a sequence that would decode at once
+        (a one-token remainder), which needs a plan the step no longer makes."""
+        config = self.config
+        bm = self.block_manager
+        block_size = bm.block_size
+        max_model_len = config.max_model_len
+        lookahead = config.lookahead_slots
+        chunked = config.enable_chunked_prefill
+        running = self._running
+        waiting = self._waiting
+        max_num_seqs = config.max_num_seqs
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            seq = waiting[0]
+            request_id = seq.request_id
+            num_tokens = seq.num_tokens
+            num_computed = seq.num_computed
+            remaining = num_tokens - num_computed
+            if remaining == 1:
+                if prefill_only:
+                    break
+                capacity = bm.num_free_blocks * block_size
+                if bm.has(request_id):
+                    capacity += bm.num_slots(request_id)
+                la = min(lookahead, max_model_len - num_tokens, budget - 1,
+                         capacity - num_tokens)
+                if la < 0:
+                    la = 0
+                if not bm.allocate(request_id, num_tokens + la):
+                    break
+                cost = 1 + la
+                item = ScheduledSeq(seq, 1, True, la, True)
+            else:
+                if chunked:
+                    num_new = remaining if remaining < budget else budget
+                elif remaining <= budget:
+                    num_new = remaining
+                else:
+                    break
+                if not bm.allocate(request_id, num_computed + num_new):
+                    break
+                cost = num_new
+                item = ScheduledSeq(seq, num_new, False, 0, num_new == remaining)
+            waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            running[request_id] = seq
+            budget -= cost
+            scheduled.append(item)
+        return budget
+
+    def reclaim(self, sched: SchedulerOutput, lookahead: list[int]) -> bool:
+        """Give back lookahead the step will not use and spend it on prefill.
+
+        The policy plans γ after :meth:`schedule` has reserved ``1 + num_lookahead_slots``
+        tokens of budget per decoding sequence; when it plans less (γ = 0 under load), the rest
+        of the reservation would otherwise be lost to prefill, which then crawls in small
+        chunks. ``lookahead[i]`` is what scheduled item i keeps (≤ its reservation; 0 for
+        prefill items). The freed budget grows the scheduled prefill chunks, oldest first, then
+        admits waiting sequences (prefill only, FCFS, never after a preemption). KV slots
+        already reserved stay with their sequences (the next step's allocation covers them).
+        Returns whether the step changed."""
+        scheduled = sched.scheduled
+        freed = 0
+        for item, keep in zip(scheduled, lookahead):
+            if keep < item.num_lookahead_slots:
+                freed += item.num_lookahead_slots - keep
+                item.num_lookahead_slots = keep
+        if freed == 0:
+            return False
+        budget = self.config.max_num_batched_tokens - sched.num_batched_tokens + freed
+        changed = False
+        bm = self.block_manager
+        block_size = bm.block_size
+        chunked = self.config.enable_chunked_prefill
+        for item in scheduled:
+            if budget <= 0:
+                break
+            if item.is_decode or item.samples:
+                continue
+            seq = item.seq
+            remaining = seq.num_tokens - seq.num_computed
+            extra = min(remaining - item.num_new_tokens, budget)
+            if not chunked and extra < remaining - item.num_new_tokens:
+                continue
+            want = seq.num_computed + item.num_new_tokens + extra
+            if not bm.allocate(seq.request_id, want):
+                capacity = bm.num_slots(seq.request_id) + bm.num_free_blocks * block_size
+                extra = min(extra, capacity - seq.num_computed - item.num_new_tokens)
+                if extra <= 0 or not chunked:
+                    continue
+                bm.allocate(seq.request_id, seq.num_computed + item.num_new_tokens + extra)
+            item.num_new_tokens += extra
+            item.samples = item.num_new_tokens == remaining
+            budget -= extra
+            changed = True
+        if not sched.preempted and budget > 0:
+            before = len(scheduled)
+            budget = self._admit(budget, scheduled, prefill_only=True)
+            changed = changed or len(scheduled) > before
+        sched.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return changed
 
     def _preempt_youngest(self, queue: list[Sequence], end: int,
                           preempted: list[Sequence]) -> int:

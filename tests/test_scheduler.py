@@ -422,6 +422,61 @@ def test_running_sequence_without_uncomputed_token_is_an_error():
         sched.schedule()
 
 
+def _four_decoders():
+    """Four sequences decoding with lookahead 5 under a 32-token budget."""
+    sched, bm = make(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, lookahead_slots=5)
+    for rid in "abcd":
+        sched.add(make_seq(rid, 3))
+    commit(sched, sched.schedule())
+    return sched, bm
+
+
+def test_reclaim_spends_unplanned_lookahead_on_prefill():
+    sched, bm = _four_decoders()
+    sched.add(make_seq("long", 40))
+    sched.add(make_seq("next", 10))
+    out = sched.schedule()
+    # four decodes reserve 1 + 5 each (24 of 32): the long prompt gets an 8-token chunk
+    assert by_id(out)["long"].num_new_tokens == 8 and "next" not in by_id(out)
+    # the policy plans γ = 2 for "a" and 0 for the others: 18 tokens go back to the prefill
+    assert sched.reclaim(out, [2, 0, 0, 0, 0])
+    items = by_id(out)
+    assert [items[r].num_lookahead_slots for r in "abcd"] == [2, 0, 0, 0]
+    assert items["long"].num_new_tokens == 26 and not items["long"].samples
+    assert "next" not in items and out.num_batched_tokens == 32
+    assert bm.num_slots("long") >= 26
+    commit(sched, out)
+    assert not sched.reclaim(sched.schedule(), [5, 5, 5, 5, 0])  # nothing to give back
+
+
+def test_reclaim_completes_a_prompt_then_admits_the_next():
+    sched, _ = _four_decoders()
+    sched.add(make_seq("short", 12))
+    sched.add(make_seq("next", 30))
+    out = sched.schedule()
+    assert sched.reclaim(out, [0] * 5)
+    items = by_id(out)
+    assert items["short"].num_new_tokens == 12 and items["short"].samples
+    assert items["next"].num_new_tokens == 16 and not items["next"].is_decode  # 32 - 4 - 12
+    assert out.num_batched_tokens == 32
+    commit(sched, out)
+
+
+def test_reclaim_admits_nothing_after_a_preemption():
+    sched, _ = make(num_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                    lookahead_slots=3)
+    sched.add(make_seq("a", 7))
+    sched.add(make_seq("b", 7))
+    commit(sched, sched.schedule())
+    sched.add(make_seq("c", 4))
+    out = sched.schedule()
+    while not out.preempted:  # grow until the pool runs out
+        commit(sched, out)
+        out = sched.schedule()
+    sched.reclaim(out, [0] * len(out.scheduled))
+    assert "c" not in by_id(out)
+
+
 # ---------------------------------------------------------------- randomized engine loop
 
 
@@ -456,6 +511,14 @@ def simulate(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, bud
 
         out = sched.schedule()
         sched.check_invariants()
+        if rng.random() < 0.5:  # the policy plans less than the reservation
+            before = [(i.seq.request_id, i.is_decode) for i in out.scheduled]
+            kept = [rng.randint(0, i.num_lookahead_slots) for i in out.scheduled]
+            sched.reclaim(out, kept)
+            sched.check_invariants()
+            assert [(i.seq.request_id, i.is_decode) for i in out.scheduled[:len(before)]] == before
+            assert [i.num_lookahead_slots for i in out.scheduled[:len(kept)]] == kept
+            assert not any(i.is_decode for i in out.scheduled[len(before):])
         assert out.num_batched_tokens <= budget
         assert out.num_batched_tokens == sum(i.num_new_tokens + i.num_lookahead_slots
                                              for i in out.scheduled)
