@@ -36,8 +36,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculation")
     spec.add_argument("--policy", default="static",
-                      help="speculation policy: static (fixed γ), off, nightjar, dsde, adaspec, "
-                           "dsd, ucb, adaedl, heuristic (default: %(default)s)")
+                      help="speculation policy: auto (adapts to load), static (fixed γ), off, "
+                           "nightjar, dsde, adaspec, dsd, ucb, adaedl, heuristic "
+                           "(default: %(default)s)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="N",
                       help="largest number of draft tokens per step, Γmax (default: %(default)s)")
     spec.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",

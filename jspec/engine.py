@@ -119,6 +119,10 @@ class LLMEngine:
         self.stream_outputs = True
         if config.warmup:
             self.warmup()
+        if self.policy.needs_profile and self.policy.profile is None and draft is not None:
+            from jspec.autoprofile import engine_profile
+
+            self.policy.set_profile(engine_profile(self))
 
     # ------------------------------------------------------------------ policy state
     def save_policy_state(self, path: str) -> None:

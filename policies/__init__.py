@@ -7,6 +7,7 @@ from typing import Any
 from policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
 from policies.adaedl import AdaEDLPolicy
 from policies.adaspec import AdaSpecPolicy
+from policies.auto import AutoPolicy
 from policies.dsd import DSDPolicy
 from policies.dsde import DSDEPolicy
 from policies.heuristic import HeuristicPolicy
@@ -15,7 +16,7 @@ from policies.static import OffPolicy, StaticPolicy
 from policies.ucb import UCBPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (StaticPolicy, OffPolicy, NightjarPolicy, DSDEPolicy,
+    cls.name: cls for cls in (AutoPolicy, StaticPolicy, OffPolicy, NightjarPolicy, DSDEPolicy,
                               AdaSpecPolicy, DSDPolicy, UCBPolicy, AdaEDLPolicy, HeuristicPolicy)
 }
 

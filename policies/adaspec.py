@@ -61,7 +61,8 @@ nothing speculated the SLO rule no longer applies).
 (outcome.confidence, NaN where not verified). Verified tokens are the ones select() kept, a
 sample biased towards confident tokens; the paper does not say which tokens its history holds.
 
-Options: ``profile`` (path or StepProfile, required), ``tpot_slo`` (seconds, None = no SLO),
+Options: ``profile`` (path or StepProfile; default: the one the engine measures at start-up,
+jspec/autoprofile.py), ``tpot_slo`` (seconds, None = no SLO),
 ``confidence_prior`` (c̄ before anything was observed, 0.6), ``verifier`` (True; False skips
 select() and its host sync: the paper's AdaSpec− ablation, drafter only).
 """
@@ -95,12 +96,13 @@ class AdaSpecPolicy(Policy):
     name = "adaspec"
     signals = frozenset({"confidence"})
     draft_stops = True
+    needs_profile = True
 
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  tpot_slo: float | None = None, confidence_prior: float = 0.6,
                  verifier: bool = True):
         super().__init__(max_gamma)
-        self.profile = load_profile(self.name, profile)
+        self.profile = None if profile is None else load_profile(self.name, profile)
         if tpot_slo is not None:
             if isinstance(tpot_slo, bool) or not isinstance(tpot_slo, (int, float)) \
                     or not tpot_slo > 0:
@@ -138,21 +140,22 @@ class AdaSpecPolicy(Policy):
     def step_time(self, view: BatchView, verify_tokens: float, draft_steps: int) -> float:
         """T = draft_steps·draft_step(B, L) + target_step(B, 1 + verify_tokens/B, L) (§4.1)."""
         batch, ctx = self._load(view)
-        return (self.profile.target_step(batch, 1.0 + verify_tokens / batch, ctx)
+        return (self.step_profile.target_step(batch, 1.0 + verify_tokens / batch, ctx)
                 + self.draft_time(view, draft_steps))
 
     def draft_time(self, view: BatchView, draft_steps: int) -> float:
         """draft_steps forwards of the draft, one token per row each."""
         if draft_steps <= 0:
             return 0.0
-        return draft_steps * self.profile.draft_step(*self._load(view))
+        return draft_steps * self.step_profile.draft_step(*self._load(view))
 
     def target_costs(self, view: BatchView, max_tokens: int) -> np.ndarray:
         """target_step(B, 1 + K/B, L) for K = 0..max_tokens verify tokens, in one numpy pass:
         select() runs between the draft and the verify forward, so its time adds to every step,
         and one scalar lookup per removed token would cost ~10 µs each."""
         batch, ctx = self._load(view)
-        return self.profile.target_steps(batch, 1.0 + np.arange(max_tokens + 1) / batch, ctx)
+        return self.step_profile.target_steps(batch, 1.0 + np.arange(max_tokens + 1) / batch,
+                                              ctx)
 
     def _efficiency(self, accepted: float, time: float, speculating: bool) -> float:
         """N/T, or −1 when a speculating step would break the TPOT SLO (§5.3)."""

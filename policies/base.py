@@ -134,6 +134,11 @@ class Policy(abc.ABC):
     # confidence and entropy on device; a policy overriding ``select`` gets them too).
     signals: frozenset[str] = frozenset()
     draft_stops: bool = False
+    # ``needs_profile``: the policy reasons from a step-time profile (policies/profile.py) held
+    # in ``profile``. Given none, an engine measures one at start-up (jspec/autoprofile.py) and
+    # hands it over with ``set_profile`` before the first plan.
+    needs_profile: bool = False
+    profile: Any = None
 
     def __init__(self, max_gamma: int):
         if not isinstance(max_gamma, int) or max_gamma < 0:
@@ -163,6 +168,18 @@ class Policy(abc.ABC):
 
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from a finished step."""
+
+    def set_profile(self, profile: Any) -> None:
+        self.profile = profile
+
+    @property
+    def step_profile(self) -> Any:
+        """``profile``, or a clear error when a policy that needs one plans without it."""
+        if self.profile is None:
+            raise ValueError(f"policy {self.name!r} has no step-time profile: pass "
+                             f"profile=PROFILE.json (from `jspec profile`), or run it inside an "
+                             f"engine, which measures one at start-up")
+        return self.profile
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -25,8 +25,8 @@ confidence prior). The rate (``rate``):
   and underestimates α (α = 0.8, γ = 4 reads 0.59), making the policy too timid.
 
 A step with nothing verified leaves α unchanged, so while γ* = 0 α stays frozen; γ* only comes
-back when the load (B) makes speculation pay at that α. Options: ``profile`` (required),
-``alpha0``, ``ema``, ``rate``.
+back when the load (B) makes speculation pay at that α. Options: ``profile`` (default: the one
+the engine measures at start-up, jspec/autoprofile.py), ``alpha0``, ``ema``, ``rate``.
 """
 
 from __future__ import annotations
@@ -58,11 +58,12 @@ class DSDPolicy(Policy):
     """Goodput-maximising γ with an EMA acceptance rate (see the module docstring)."""
 
     name = "dsd"
+    needs_profile = True
 
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  alpha0: float = 0.6, ema: float = 0.1, rate: str = "judged"):
         super().__init__(max_gamma)
-        self.profile = load_profile(self.name, profile)
+        self.profile = None if profile is None else load_profile(self.name, profile)
         self.alpha0 = _unit("alpha0", alpha0, low_open=False)
         self.ema = _unit("ema", ema, low_open=True)
         if rate not in _RATES:
@@ -77,7 +78,7 @@ class DSDPolicy(Policy):
         ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
         gammas = np.arange(self.max_gamma + 1)
         tokens = np.array([expected_tokens(self.alpha, g) for g in gammas])
-        return view.num_decode * tokens / self.profile.step_times(batch, gammas, ctx)
+        return view.num_decode * tokens / self.step_profile.step_times(batch, gammas, ctx)
 
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode

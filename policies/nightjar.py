@@ -7,10 +7,10 @@ step wall time, where the step time includes the draft's catch-up, so a switch f
 speculation pays for itself in the reward as well as in Eq. (3).
 
 Per context B the policy keeps Algorithm 1's counters (j_B, H_B, b_B, τ_B), all starting at 1,
-and per (B, γ) a visit count and the cumulative moving average goodput g̃_{B,γ}
-(g̃ ← g̃ + (r − g̃)/n, §4.2). At the first step of a bin (τ_B = 1) the bin becomes an exploration
-bin with probability 1/√b_B, playing one arm drawn uniformly from {0..Γmax} for the whole bin;
-otherwise it is an exploitation bin, which solves Eq. (3) at every one of its steps:
+and per (B, γ) a play count and the estimated goodput g̃_{B,γ}. At the first step of a bin
+(τ_B = 1) the bin becomes an exploration bin with probability 1/√b_B, playing one arm drawn
+uniformly for the whole bin; otherwise it is an exploitation bin, which solves Eq. (3) at every
+one of its steps:
 
     γ* = argmin_γ 1/g̃_{B,γ} + 1[γ_{t−1} = 0 ∧ γ > 0] · c_prefill(L_max, B) / γ
 
@@ -18,6 +18,37 @@ After each step τ_B += 1; τ_B > √H_B ends the bin (b_B += 1, τ_B = 1); b_B 
 (j_B += 1, H_B = 2^(j_B−1), b_B = 1). The comparisons are done on integers (τ² > H), which is
 exact because H_B is an integer. Eq. (3) mixes units (1/g̃ is seconds per token, c_prefill/γ
 seconds per drafted token); we keep it exactly as the paper writes it.
+
+Deviations from Algorithm 1, each an option (``eliminate=false, drift=0`` is the algorithm as
+published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
+saturation", "Adaptation under load, round 2"):
+
+- ``decode_only_reward`` (default off): a step that carries prefill tokens does not update g̃
+  (it still counts as a play and advances the counters). Such a step's time is mostly its
+  prefill chunk's, and in the 16 requests/s records γ = 0 steps with prefill scored 290 tok/s
+  against 600-690 for γ = 3-4 steps with prefill, while among decode-only steps the order was
+  the reverse. But part of that gap is real, not confounding: a speculative step's verify tokens
+  are padded to a compiled token bucket and a prefill chunk rides in the padding (γ = 5 steps at
+  B ≈ 30 took 181 ms with a prefill chunk and 223 ms without), and at saturation long
+  speculative steps nearly always carry an arrival, so decode-only samples of those arms are
+  rare and they stay unknown, hence explored. Measured both ways, neither reward was better
+  beyond the run-to-run noise, so the published reward stays the default.
+- ``eliminate`` (default on): an exploration bin draws its arm uniformly among the *plausible*
+  arms only, those with fewer than two samples or whose upper confidence bound g̃ + z·sd reaches
+  the best arm's lower bound (z = ``confidence_z``, default 2), and a bin whose arm stops being
+  plausible mid-bin exploits for the rest of it (action elimination, Even-Dar et al., 2006,
+  inside Algorithm 1's bin schedule). Algorithm 1 counts regret in steps, but at saturation an
+  exploring γ > 0 step costs 3-7× a γ = 0 step: there the published rule kept 14-66% of late
+  steps exploring (52-91% of the time) in a synthetic environment where γ = 0 was known best.
+  The best arm stays plausible with high probability, so exploitation is unchanged.
+- ``drift`` (default 0.1): g̃ is a Kalman estimate under a random-walk model in which an arm's
+  true goodput moves by a relative ``drift`` (one standard deviation) per 100 steps of its
+  context that do not sample it. An arm played step after step averages its first 100 samples
+  (the paper's cumulative moving average) and then keeps an exponential average with weight
+  1/100, so a regime is forgotten (the paper's average never forgets one); an arm left out
+  grows uncertain with age, so an eliminated arm returns to exploration after a while
+  (hundreds of steps when it was 30% behind, thousands when it was 2× behind) and its first
+  fresh sample moves g̃ most of the way. With drift 0 the update is exactly the 1/n average.
 
 Choices the paper leaves open:
 
@@ -27,7 +58,8 @@ Choices the paper leaves open:
 - Unvisited arms (g̃ = 0, so 1/g̃ = ∞): explore-first. In an exploitation bin an arm never
   played in this context is chosen before any visited one, lowest γ first (0, 1, ..., Γmax):
   deterministic, and γ = 0 (the safe arm under load) is measured first. Among visited arms, ties
-  of Eq. (3) go to the lowest γ (np.argmin), and a visited arm with g̃ = 0 scores ∞.
+  of Eq. (3) go to the lowest γ (np.argmin), and an arm with no sample (played only in steps
+  that carried prefill) or with g̃ = 0 scores ∞.
 - γ_{t−1} is global, not per context: the indicator stands for "the draft fell behind", which
   is a property of the running sequences, and they carry over when B changes; a per-context
   γ_{t−1} could refer to a step long ago and charge (or forgive) a catch-up that is not there.
@@ -70,14 +102,21 @@ from policies.profile import StepProfile, load_profile
 
 EXPLORE, EXPLOIT = "explore", "exploit"
 _CATCH_UP_DECAY = 0.95  # weight of older catch-up observations, per new one
+_MIN_REL_SD = 0.02  # floor of a reward's standard deviation, relative to its mean
+_WINDOW = 100  # most samples an arm's mean averages (beyond: an exponential average)
 
 
 @dataclasses.dataclass
 class _Context:
     """Algorithm 1's state of one batch-size context, plus its per-arm statistics."""
 
-    counts: list[int]  # visits per γ
-    goodput: list[float]  # g̃_{B,γ}: cumulative moving average reward per γ
+    counts: list[int]  # plays per γ (the paper's visit counts: explore-first reads them)
+    goodput: list[float]  # g̃_{B,γ}: estimated decode goodput per γ (see "Deviations")
+    samples: list[int] = dataclasses.field(default_factory=list)  # decode-only steps per γ
+    weight: list[float] = dataclasses.field(default_factory=list)  # information in g̃, in samples
+    var: list[float] = dataclasses.field(default_factory=list)  # a sample's variance (estimate)
+    last: list[int] = dataclasses.field(default_factory=list)  # clock of each arm's last sample
+    clock: int = 0  # decode-only steps observed in this context
     j: int = 1  # block index
     H: int = 1  # block size 2^(j−1)
     b: int = 1  # bin index within the block
@@ -97,24 +136,82 @@ class _Context:
                 self.H = 2 ** (self.j - 1)
                 self.b = 1
 
+    def _mean_var(self, arm: int, drift: float, ahead: int = 0) -> float:
+        """Variance of g̃ for ``arm``, ``ahead`` steps from now: var / weight from its samples,
+        plus the drift its true goodput may have made while other arms were played, (drift ·
+        g̃)² per 100 steps of the context that did not sample it."""
+        noise = max(self.var[arm], (_MIN_REL_SD * self.goodput[arm]) ** 2)
+        gap = max(self.clock + ahead - self.last[arm] - 1, 0)
+        return noise / self.weight[arm] + (drift * self.goodput[arm]) ** 2 * gap / 100.0
+
+    def record(self, arm: int, reward: float, drift: float) -> None:
+        """One decode-only sample of ``arm``: a Kalman update of g̃ in which the arm's true
+        goodput may drift while the arm is not played. Played every step, the gain is
+        1 / (n + 1), at least 1 / ``_WINDOW`` when drift > 0: the paper's cumulative moving
+        average over the first ``_WINDOW`` samples, then an exponential one, so a regime is
+        forgotten. An arm sampled again after a gap (its variance grown by the drift) jumps to
+        the fresh evidence. With drift 0 the update is exactly the paper's 1/n average."""
+        if self.samples[arm] == 0:
+            self.goodput[arm] = reward
+            self.weight[arm] = 1.0
+        else:
+            prior = self._mean_var(arm, drift, ahead=1)  # this sample's step has passed too
+            noise = max(self.var[arm], (_MIN_REL_SD * self.goodput[arm]) ** 2)
+            gain = prior / (prior + noise)
+            if drift > 0:
+                gain = max(gain, 1.0 / _WINDOW)
+            delta = reward - self.goodput[arm]
+            self.goodput[arm] += gain * delta
+            self.weight[arm] = noise / ((1.0 - gain) * prior)
+            # the reward's own variance, averaged with the same weights as g̃ (innovations
+            # include g̃'s own uncertainty, so this errs on the wide side)
+            w = max(1.0 / (self.samples[arm] + 1), gain)
+            self.var[arm] = (1.0 - w) * self.var[arm] + w * delta * delta
+        self.clock += 1
+        self.samples[arm] += 1
+        self.last[arm] = self.clock
+
+    def plausible(self, z: float, drift: float) -> list[int]:
+        """Arms whose goodput could still be the best: fewer than two samples, or g̃ + z·sd at
+        least the best g̃ − z·sd, with sd from ``_mean_var`` (so an arm left out comes back
+        into exploration after a while, the sooner the closer it was)."""
+        arms = range(len(self.counts))
+        known = [a for a in arms if self.samples[a] >= 2]
+        if not known:
+            return list(arms)
+        half = {a: z * math.sqrt(self._mean_var(a, drift)) for a in known}
+        best_lo = max(self.goodput[a] - half[a] for a in known)
+        return [a for a in arms if a not in half or self.goodput[a] + half[a] >= best_lo]
+
 
 class NightjarPolicy(Policy):
     name = "nightjar"
 
     def __init__(self, max_gamma: int = 4, profile: "str | os.PathLike | StepProfile | None" = None,
-                 seed: int = 0, switching_cost: bool = True):
+                 seed: int = 0, switching_cost: bool = True,
+                 eliminate: bool = True, decode_only_reward: bool = False,
+                 confidence_z: float = 2.0, drift: float = 0.1):
         super().__init__(max_gamma)
-        if profile is not None and not isinstance(profile, (str, os.PathLike, StepProfile)):
-            raise ValueError(f"nightjar option profile must be a path to a step profile or a "
-                             f"StepProfile, got {type(profile).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"nightjar option seed must be an integer >= 0, got {seed!r}")
-        if not isinstance(switching_cost, bool):
-            raise ValueError(f"nightjar option switching_cost must be true or false, got "
-                             f"{switching_cost!r}")
+            raise ValueError(f"{self.name} option seed must be an integer >= 0, got {seed!r}")
+        for key, value in (("switching_cost", switching_cost), ("eliminate", eliminate),
+                           ("decode_only_reward", decode_only_reward)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{self.name} option {key} must be true or false, got {value!r}")
+        if (isinstance(confidence_z, bool) or not isinstance(confidence_z, (int, float))
+                or not confidence_z > 0 or not math.isfinite(confidence_z)):
+            raise ValueError(f"{self.name} option confidence_z must be a number > 0, got "
+                             f"{confidence_z!r}")
+        if (isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift >= 0
+                or not math.isfinite(drift)):
+            raise ValueError(f"{self.name} option drift must be a number >= 0, got {drift!r}")
         # the engine checks `profile` against its models
         self.profile = None if profile is None else load_profile(self.name, profile)
         self.switching_cost = switching_cost
+        self.eliminate = eliminate
+        self.decode_only_reward = decode_only_reward
+        self.confidence_z = float(confidence_z)
+        self.drift = float(drift)
         self._rng = np.random.default_rng(seed)
         self._contexts: dict[int, _Context] = {}
         self._prev_gamma: int | None = None  # γ_{t−1}, global (see the module docstring)
@@ -136,11 +233,20 @@ class NightjarPolicy(Policy):
         if ctx.mode is None:  # τ_B = 1: bin initialization (lines 6-8)
             explore = self._rng.random() < 1.0 / math.sqrt(ctx.b)
             ctx.mode = EXPLORE if explore else EXPLOIT
-            if explore:  # uniform exploration, one arm for the whole bin (lines 9-11)
-                ctx.explore_arm = int(self._rng.integers(self.max_gamma + 1))
+            if explore:  # uniform exploration, one arm for the whole bin (lines 9-11), among
+                # the arms not shown to be worse (see "Deviations")
+                arms = self._plausible(ctx)
+                ctx.explore_arm = int(arms[int(self._rng.integers(len(arms)))])
+        if ctx.mode == EXPLORE and self.eliminate and ctx.explore_arm not in self._plausible(ctx):
+            ctx.mode = EXPLOIT  # the bin's arm was shown to be worse: exploit the rest of it
         gamma = ctx.explore_arm if ctx.mode == EXPLORE else self._exploit(ctx, view)
         self._pending = {"context": key, "gamma": gamma, "forced": False}
         return DraftPlan(gammas=np.full(n, gamma, np.int32))
+
+    def _plausible(self, ctx: _Context) -> list[int]:
+        if not self.eliminate:
+            return list(range(self.max_gamma + 1))
+        return ctx.plausible(self.confidence_z, self.drift)
 
     def _exploit(self, ctx: _Context, view: BatchView) -> int:
         """Eq. (3), explore-first for arms never played in this context (lines 12-14)."""
@@ -151,7 +257,7 @@ class NightjarPolicy(Policy):
 
     def _scores(self, ctx: _Context, view: BatchView) -> np.ndarray:
         g = np.asarray(ctx.goodput, np.float64)
-        visited = (np.asarray(ctx.counts) > 0) & (g > 0)
+        visited = (np.asarray(ctx.samples) > 0) & (g > 0)
         scores = np.full(len(g), np.inf)
         scores[visited] = 1.0 / g[visited]
         if self.switching_cost and self._prev_gamma == 0 and self.max_gamma > 0:
@@ -194,7 +300,8 @@ class NightjarPolicy(Policy):
         ctx = self._context(decision["context"])
         arm = decision["gamma"]
         ctx.counts[arm] += 1
-        ctx.goodput[arm] += (outcome.goodput - ctx.goodput[arm]) / ctx.counts[arm]
+        if not (self.decode_only_reward and outcome.num_prefill_tokens > 0):
+            ctx.record(arm, outcome.goodput, self.drift)
         if not decision["forced"]:
             ctx.advance()
 
@@ -207,9 +314,9 @@ class NightjarPolicy(Policy):
         """The arm with the best g̃ in this batch size's context, ignoring switching costs and
         unvisited arms (None if nothing was learned there): what the policy has learned."""
         ctx = self._contexts.get(batch_bucket(batch_size))
-        if ctx is None or not any(ctx.counts):
+        if ctx is None or not any(ctx.samples):
             return None
-        g = np.where(np.asarray(ctx.counts) > 0, ctx.goodput, -np.inf)
+        g = np.where(np.asarray(ctx.samples) > 0, ctx.goodput, -np.inf)
         return int(np.argmax(g))
 
     @property
@@ -218,7 +325,9 @@ class NightjarPolicy(Policy):
 
     # ------------------------------------------------------------------ state
     def _new_context(self) -> _Context:
-        return _Context(counts=[0] * (self.max_gamma + 1), goodput=[0.0] * (self.max_gamma + 1))
+        arms = self.max_gamma + 1
+        return _Context(counts=[0] * arms, goodput=[0.0] * arms, samples=[0] * arms,
+                        weight=[0.0] * arms, var=[0.0] * arms, last=[0] * arms)
 
     def _context(self, key: int) -> _Context:
         if key not in self._contexts:
@@ -243,12 +352,23 @@ class NightjarPolicy(Policy):
             contexts = {}
             for key, c in state["contexts"].items():
                 ctx = _Context(**c)
-                if len(ctx.counts) != arms or len(ctx.goodput) != arms:
-                    raise ValueError(f"context {key} has {len(ctx.counts)} arms, expected {arms}")
+                if "samples" not in c:  # saved before decode-only samples were kept apart:
+                    # its means averaged every played step, so each play was a sample
+                    ctx.samples, ctx.weight = list(ctx.counts), [float(x) for x in ctx.counts]
+                    ctx.var, ctx.last = [0.0] * arms, [0] * arms
+                for name in ("counts", "goodput", "samples", "weight", "var", "last"):
+                    if len(getattr(ctx, name)) != arms:
+                        raise ValueError(f"context {key} has {len(getattr(ctx, name))} arms in "
+                                         f"{name}, expected {arms}")
                 if ctx.mode not in (None, EXPLORE, EXPLOIT):
                     raise ValueError(f"context {key} has bin type {ctx.mode!r}")
                 ctx.counts = [int(x) for x in ctx.counts]
                 ctx.goodput = [float(x) for x in ctx.goodput]
+                ctx.samples = [int(x) for x in ctx.samples]
+                ctx.weight = [float(x) for x in ctx.weight]
+                ctx.var = [float(x) for x in ctx.var]
+                ctx.last = [int(x) for x in ctx.last]
+                ctx.clock = int(ctx.clock)
                 contexts[int(key)] = ctx
             rng = np.random.default_rng()
             rng.bit_generator.state = state["rng"]
@@ -259,7 +379,7 @@ class NightjarPolicy(Policy):
                 pending = {"context": int(pending["context"]), "gamma": int(pending["gamma"]),
                            "forced": bool(pending["forced"])}
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed nightjar state: {e}") from None
+            raise ValueError(f"malformed {self.name} state: {e}") from None
         # only now, so a bad state leaves the policy as it was
         self._contexts = contexts
         self._rng = rng

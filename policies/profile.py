@@ -202,12 +202,11 @@ def model_signature(cfg) -> str:
             f"{cfg.num_kv_heads}x{cfg.head_dim} ffn{cfg.intermediate_size} v{cfg.vocab_size}")
 
 
-def load_profile(policy: str, profile: "str | StepProfile | None") -> StepProfile:
-    """The profile a policy was given (a path or an object), or a clear error if none was."""
-    if profile is None:
-        raise ValueError(f"policy {policy!r} needs a step-time profile of this model pair: run "
-                         "`jspec profile --target T --draft D --out PROFILE.json` and pass "
-                         "--policy-option profile=PROFILE.json")
+def load_profile(policy: str, profile: "str | os.PathLike | StepProfile") -> StepProfile:
+    """The profile a policy was given: a StepProfile, or the path of one."""
+    if not isinstance(profile, (str, os.PathLike, StepProfile)):
+        raise ValueError(f"{policy} option profile must be a path to a step profile or a "
+                         f"StepProfile, got {type(profile).__name__}")
     if isinstance(profile, StepProfile):
         return profile
     return StepProfile.load(profile)

@@ -97,8 +97,8 @@ def test_unknown_policy(tiny_pair):
 
     target, draft = tiny_pair
     with pytest.raises(ValueError, match=re.escape(
-            "unknown policy 'nope'; known policies: adaedl, adaspec, dsd, dsde, heuristic, "
-            "nightjar, off, static, ucb")):
+            "unknown policy 'nope'; known policies: adaedl, adaspec, auto, dsd, dsde, "
+            "heuristic, nightjar, off, static, ucb")):
         LLM(target=target, draft=draft, policy="nope", **LLM_KW)
 
 

@@ -218,8 +218,10 @@ def test_dsd_ema_update():
 # ---------------------------------------------------------------------------- shared behaviour
 @pytest.mark.parametrize("cls", [AdaSpecPolicy, DSDPolicy])
 def test_missing_profile_is_a_clear_error(cls, tmp_path):
-    with pytest.raises(ValueError, match="jspec profile"):
-        cls(max_gamma=4)
+    policy = cls(max_gamma=4)  # an engine hands it a profile (tests/test_autoprofile.py)
+    assert policy.needs_profile and policy.profile is None
+    with pytest.raises(ValueError, match="has no step-time profile.*jspec profile"):
+        policy.plan(make_view(2))
     with pytest.raises(ValueError, match="jspec profile"):
         cls(max_gamma=4, profile=str(tmp_path / "nope.json"))
 

@@ -57,8 +57,8 @@ def test_save_load_round_trip_and_errors(tmp_path):
     q = StepProfile.load(path)
     assert q.target_step(3, 2, 250) == p.target_step(3, 2, 250)
     assert load_profile("dsd", str(path)).c_prefill(4, 2) == p.c_prefill(4, 2)
-    with pytest.raises(ValueError, match="needs a step-time profile"):
-        load_profile("dsd", None)
+    with pytest.raises(ValueError, match="dsd option profile must be a path"):
+        load_profile("dsd", 3)
     with pytest.raises(ValueError, match="cannot read step profile.*jspec profile"):
         StepProfile.load(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))

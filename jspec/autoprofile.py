@@ -1,0 +1,216 @@
+"""The step-time profile an engine measures for itself, so cost-aware policies need no manual step.
+
+AdaSpec and DSD reason from a ``policies.profile.StepProfile``. Given none (``needs_profile``
+and ``profile is None``), ``LLMEngine`` calls ``engine_profile`` after its warm-up: it loads the
+profile cached for this engine's cost signature, or measures one with the engine itself and
+caches it under ``<cache dir>/profiles/``.
+
+Measured, not modelled: the engine decodes B fresh sequences (random prompts of ``context``
+tokens, greedy, no EOS) and, for each γ it can run, times a few real ``LLMEngine.step`` calls
+(median), so the profile holds what a step costs the engine, scheduling, sampling and the host
+included, not the bare forward that `jspec profile` times:
+
+* ``target_time[B, γ+1, context]`` = step time − draft loop − catch-up (everything but the draft);
+* ``draft_time[B, context]`` = the draft loop at the largest γ / that γ (one draft forward);
+* ``catch_up_time[C, B]``: after C − 1 steps at γ = 0 every sequence's draft lags C tokens, and
+  the next step with γ > 0 reports the catch-up it ran (Nightjar's c_prefill).
+
+The grid is the batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (the engine's own row buckets
+sit at the same powers of two), every γ from 0 to Γmax, one context (128 tokens, less when the
+model is short) and catch-up lengths 2 and 8. On the 2-vCPU development machine the built-in
+pair takes about 20 s (docs/benchmarks.md). The cache key is every input that changes a step's
+cost: both models' shapes, backend and device kind, the KV dtype, and the engine's batch shape
+options. ``JSPEC_PROFILE_CACHE=off`` measures afresh every time without reading or writing the
+cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from policies.base import BatchView, DraftPlan, Policy
+from policies.profile import FORMAT, StepProfile, model_signature
+
+VERSION = 1  # bump when what is measured changes: older cached profiles are then ignored
+CONTEXT = 128
+CATCH_UP_LENS = (2, 8)
+STEPS = 3  # measured steps per (B, γ), after one settling step
+
+
+class ForcedGamma(Policy):
+    """The profiler's policy: every decoding sequence drafts ``gamma`` (set between steps)."""
+
+    name = "profiler"
+
+    def __init__(self, max_gamma: int, possible: set[int]):
+        super().__init__(max_gamma)
+        self._possible = set(possible)
+        self.gamma = 0
+
+    def possible_gammas(self) -> set[int]:
+        return self._possible
+
+    def plan(self, view: BatchView) -> DraftPlan:
+        gamma = self.gamma if view.draft_resident else 0
+        return DraftPlan(gammas=np.full(view.num_decode, gamma, np.int32))
+
+
+def cache_key(engine) -> str:
+    import jax
+
+    rc = engine.rc
+    parts = {
+        "version": VERSION, "format": FORMAT,
+        "target": model_signature(engine.target.cfg),
+        "draft": model_signature(engine.draft.cfg),
+        "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+        "kv_dtype": str(engine.runner.kv_dtype), "max_num_seqs": engine.config.max_num_seqs,
+        "max_num_batched_tokens": rc.max_num_batched_tokens,
+        "block_size": engine.config.block_size, "gamma_buckets": list(engine.gamma_buckets),
+        "synthetic_acceptance": engine.config.synthetic_acceptance,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def engine_profile(engine, log=None) -> StepProfile:
+    """The cached profile for this engine, or a fresh measurement (then cached). Says what it
+    did on ``log`` (default: stderr)."""
+    log = log or sys.stderr
+    from jspec.default_models import cache_dir
+
+    use_cache = os.environ.get("JSPEC_PROFILE_CACHE", "on").lower() not in ("0", "off", "false")
+    path = cache_dir() / "profiles" / f"{cache_key(engine)}.json"
+    if use_cache and path.exists():
+        try:
+            profile = StepProfile.load(path)
+            profile.check_models(model_signature(engine.target.cfg),
+                                 model_signature(engine.draft.cfg))
+            return profile
+        except ValueError as e:  # a damaged cache entry: measure again and overwrite it
+            print(f"jspec: ignoring cached step profile {path}: {e}", file=log)
+    t0 = time.perf_counter()
+    profile = measure(engine)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        profile.save(tmp)
+        os.replace(tmp, path)  # never a half-written profile
+    print(f"jspec: measured the step-time profile for policy {engine.policy.name!r} in "
+          f"{time.perf_counter() - t0:.1f} s"
+          + (f" (cached in {path})" if use_cache else ""), file=log, flush=True)
+    return profile
+
+
+def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
+    """Time the engine's own steps over the grid (see the module docstring). The engine is
+    left as it was: its policy, metrics and request counters are restored, the profiling
+    requests aborted and their KV blocks freed."""
+    import jax
+
+    from jspec.metrics import EngineMetrics
+    from jspec.sampling_params import SamplingParams
+
+    if engine.draft is None:
+        raise ValueError("a step profile needs a draft model")
+    if engine.has_unfinished_requests():
+        raise RuntimeError("measure a step profile before serving any request")
+    rc = engine.rc
+    max_gamma = engine.max_gamma
+    gammas = list(range(max_gamma + 1))
+    # tokens a sequence gains while one γ is measured (each step emits up to γ + 1) and during
+    # the catch-up rounds; sequences are replaced by fresh ones when the next round would not fit
+    need = {g: (g + 1) * (steps + 1) for g in gammas}
+    need_catch_up = sum(CATCH_UP_LENS) + 2 * len(CATCH_UP_LENS)
+    widest = max(max(need.values()), need_catch_up) + max_gamma + 1
+    context = max(1, min(context, rc.max_model_len // 4, rc.max_model_len - widest - 1))
+    if context + widest >= rc.max_model_len:
+        raise ValueError(f"max_model_len {rc.max_model_len} is too short to measure a step "
+                         f"profile (needs about {widest + 2} tokens per sequence); pass one "
+                         f"made by `jspec profile` with --policy-option profile=PROFILE.json")
+    blocks_per_seq = -(-rc.max_model_len // engine.config.block_size)
+    usable = engine.block_manager.num_usable_blocks
+    top = min(engine.config.max_num_seqs, usable // blocks_per_seq)
+    if top < 1:
+        raise ValueError("the KV cache is too small to measure a step profile")
+    batch_sizes = [b for b in (1 << k for k in range(top.bit_length())) if b <= top]
+    if batch_sizes[-1] != top:
+        batch_sizes.append(top)
+
+    saved = (engine.policy, engine.metrics, engine.last_outcome, engine.last_step,
+             engine.stream_outputs)
+    forced = ForcedGamma(max_gamma, saved[0].possible_gammas() | set(gammas))
+    engine.policy, engine.stream_outputs = forced, False
+    engine.metrics = EngineMetrics(max_gamma=max_gamma)  # the profiling steps are not served
+    target_time = np.zeros((len(batch_sizes), len(gammas), 1))
+    draft_time = np.zeros((len(batch_sizes), 1))
+    catch_up = np.zeros((len(CATCH_UP_LENS), len(batch_sizes)))
+    rng = np.random.default_rng(0)
+    vocab = engine.target.cfg.vocab_size
+    sp = SamplingParams(max_tokens=rc.max_model_len, temperature=0.0, ignore_eos=True, seed=0)
+    ids: list[str] = []
+    serial = 0
+
+    def fresh(batch: int) -> None:
+        """Replace the running sequences by ``batch`` new ones, prefilled and decoding."""
+        nonlocal ids, serial
+        if ids:
+            engine.abort_request(ids)
+            engine.step()  # deliver the aborts
+        ids = [f"__jspec-profile-{serial}-{i}" for i in range(batch)]
+        serial += 1
+        for rid in ids:
+            engine.add_request(rid, rng.integers(0, vocab, context).tolist(), sp)
+        forced.gamma = 0
+        while engine.scheduler.num_waiting or any(not s.is_decoding
+                                                  for s in engine.scheduler.running):
+            engine.step()
+
+    def room() -> int:
+        return rc.max_model_len - max(s.num_tokens for s in engine.scheduler.running) - 1
+
+    try:
+        for bi, batch in enumerate(batch_sizes):
+            fresh(batch)
+            for gi, gamma in enumerate(gammas):
+                if room() < need[gamma] + max_gamma:
+                    fresh(batch)
+                forced.gamma = gamma
+                engine.step()  # settle: the draft catches up after γ = 0, compiles if lazy
+                rest, drafts = [], []
+                for _ in range(steps):
+                    engine.step()
+                    o = engine.last_outcome
+                    rest.append(o.step_time - o.draft_time - o.catch_up_time)
+                    drafts.append(o.draft_time)
+                target_time[bi, gi, 0] = statistics.median(rest)
+                if gamma == max_gamma and gamma > 0:
+                    draft_time[bi, 0] = statistics.median(drafts) / engine.last_step.gamma
+            if max_gamma:
+                if room() < need_catch_up + max_gamma:
+                    fresh(batch)
+                for ci, lag in enumerate(CATCH_UP_LENS):
+                    forced.gamma = 0
+                    for _ in range(lag - 1):
+                        engine.step()
+                    forced.gamma = 1
+                    engine.step()
+                    catch_up[ci, bi] = engine.last_outcome.catch_up_time
+    finally:
+        if ids:
+            engine.abort_request(ids)
+            engine.step()
+        (engine.policy, engine.metrics, engine.last_outcome, engine.last_step,
+         engine.stream_outputs) = saved
+        engine._pending_outputs.clear()
+    device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
+    return StepProfile(model_signature(engine.target.cfg), model_signature(engine.draft.cfg),
+                       device, str(engine.runner.kv_dtype), batch_sizes,
+                       [g + 1 for g in gammas], [context], list(CATCH_UP_LENS), target_time,
+                       draft_time, catch_up)
