@@ -518,7 +518,7 @@ def _fake_results(tps: dict[str, float], tpot90: dict[str, float], kind="poisson
 
 
 def test_headline_goal_checks_and_report():
-    from jspec.bench.headline import PRESETS, goal_checks, headline_report, serving_args
+    from jspec.bench.headline import LOADS, PRESETS, goal_checks, headline_report, serving_args
 
     fixed = _fake_results({"off": 100.0, "static γ=2": 120.0, "nightjar": 117.0},
                           {"off": 0.010, "static γ=2": 0.008, "nightjar": 0.0081})
@@ -549,9 +549,12 @@ def test_headline_goal_checks_and_report():
     ns = argparse.Namespace(policies=["off", "nightjar"], synthetic=None,
                             synthetic_acceptance=None, extra="--seed 2")
     for mode in PRESETS:
-        for load in ("low", "medium", "high", "trace"):
+        for load in LOADS:
             parsed = parser.parse_args(serving_args(mode, load, ns))
             assert parsed.policy == ["off", "nightjar"] and parsed.seed == 2
+            assert len(serving.build_arrivals(parsed)) >= 8
+    # the loads that change are judged like the trace
+    assert [g for g, _, _ in goal_checks("step", trace)] == [g for g, _, _ in checks]
 
 
 def test_serving_warmup_requests(tiny_pair, tmp_path):

@@ -11,7 +11,9 @@ throughput, p90 TPOT and mean γ, and the issue's goals checked one by one) and 
 
 Loads are presets per mode (``PRESETS``), chosen for this repository's 2-core CPU so that "low"
 keeps one or two sequences in flight, "high" saturates the engine (the batch reaches
-``--max-num-seqs``) and "medium" sits in between; the trace is a window of the Azure conv trace
+``--max-num-seqs``) and "medium" sits in between. Three loads change during the run: "step" goes
+from low to saturation and back (1 -> 16 -> 1 requests/s), "burst" sends a batch of requests at
+once every few seconds over a light background, and the trace is a window of the Azure conv trace
 whose request rate swings between those regimes. Every preset value can be overridden (``--rates``,
 ``--trace-*``, ``--num-requests``); the report prints the exact ``jspec bench serving`` command
 of every load so any cell can be rerun alone. ``--report-only`` rebuilds the report from the JSON
@@ -36,7 +38,8 @@ import sys
 
 POLICIES = ("off", "static:gamma=1", "static:gamma=2", "static:gamma=3", "static:gamma=4",
             "static:gamma=5", "nightjar", "dsde", "adaspec", "dsd")
-LOADS = ("low", "medium", "high", "trace")
+LOADS = ("low", "medium", "high", "step", "burst", "trace")
+CHANGING = ("step", "burst", "trace")  # loads whose rate changes during the run
 
 # mode -> load -> `jspec bench serving` arguments (calibrated on the 2-vCPU development machine;
 # see docs/benchmarks.md for the capacity measurements behind them)
@@ -50,6 +53,12 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                    "--warmup-requests", "40"],
         "high": ["--arrivals", "poisson", "--rate", "16", "--num-requests", "200",
                  "--warmup-requests", "100"],
+        # 1 -> 16 -> 1 requests/s: light, saturated, light again (about 230 requests)
+        "step": ["--arrivals", "step", "--steps", "0:1,20:16,32:1", "--duration", "52",
+                 "--warmup-requests", "100"],
+        # 24 requests at once every 10 s over a 1 request/s background (about 200 requests)
+        "burst": ["--arrivals", "burst", "--burst-period", "10", "--burst-size", "24",
+                  "--burst-base-rate", "1", "--duration", "60", "--warmup-requests", "100"],
         # the whole hour of the conv trace in 70 s at its own rate (3.2 to 8.5 requests/s by
         # trace minute), prompts at a tenth of its context lengths
         "trace": ["--arrivals", "trace", "--trace", "conv", "--time-scale", "0.02",
@@ -64,12 +73,13 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "low": ["--arrivals", "poisson", "--rate", "0.3", "--num-requests", "8"],
         "medium": ["--arrivals", "poisson", "--rate", "1", "--num-requests", "24"],
         "high": ["--arrivals", "poisson", "--rate", "6", "--num-requests", "48"],
+        "step": ["--arrivals", "step", "--steps", "0:0.3,30:4,45:0.3", "--duration", "75"],
+        "burst": ["--arrivals", "burst", "--burst-period", "15", "--burst-size", "8",
+                  "--burst-base-rate", "0.2", "--duration", "60"],
         # the whole hour of the conv trace in 42 s at 0.23 x its rate (0.7 to 2.0 requests/s by
         # trace minute: from a few sequences in flight to saturating max_num_seqs for off)
         "trace": ["--arrivals", "trace", "--trace", "conv", "--time-scale", "0.012",
                   "--rate-scale", "0.0028", "--context-scale", "0.02"],
-        "profile": ["--batch-sizes", "1", "2", "4", "8", "16", "--contexts", "128",
-                    "--query-lens", "1", "2", "4", "6"],
     },
 }
 
@@ -83,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-acceptance", metavar="SPEC", default=None)
     p.add_argument("--profile", metavar="PROFILE.json", default=None,
                    help="step-time profile for the policies that need one (adaspec, dsd); "
-                        "default: measure one into OUT/profile.json first (`jspec profile`)")
+                        "default: the one each engine measures of itself at start-up "
+                        "(jspec/autoprofile.py, cached)")
     p.add_argument("--loads", default=",".join(LOADS),
                    help=f"comma-separated subset of {', '.join(LOADS)}")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="NAME[:K=V]")
@@ -122,19 +133,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown load {load!r}; choose from {', '.join(LOADS)}")
     mode = "synthetic" if (args.synthetic or args.synthetic_acceptance) else "real"
     os.makedirs(args.out, exist_ok=True)
-    if any(p.split(":")[0] in NEEDS_PROFILE for p in args.policies) and args.profile is None:
-        args.profile = os.path.join(args.out, "profile.json")
-        if not args.report_only and not os.path.exists(args.profile):
-            from jspec import cli_profile
-
-            pp = argparse.ArgumentParser()
-            cli_profile.add_arguments(pp)
-            argv = ["--out", args.profile, *PRESETS[mode].get("profile", []),
-                    *(["--synthetic", args.synthetic] if args.synthetic else [])]
-            if args.no_progress:
-                argv.append("--no-progress")
-            print(f"== profile: jspec profile {' '.join(argv)}", file=sys.stderr)
-            cli_profile.run(pp.parse_args(argv))
     commands = {}
     parser = argparse.ArgumentParser(prog="jspec bench serving")
     serving.add_arguments(parser)
@@ -185,8 +183,9 @@ def _tpot90(run: dict) -> float | None:
 
 def goal_checks(load: str, res: dict, policy: str = "nightjar") -> list[tuple[str, bool, str]]:
     """[(goal, met, numbers)] for one load: at a fixed load, ``policy``'s throughput >= 0.97 x
-    the best fixed choice (off or static); over the trace, >= 1.05 x every static and >= 1.10 x
-    off; at every load its p90 TPOT <= the lowest p90 TPOT of the fixed choices."""
+    the best fixed choice (off or static); under a changing load (step, burst, trace), >= 1.05 x
+    every static and >= 1.10 x off; at every load its p90 TPOT <= the lowest p90 TPOT of the
+    fixed choices."""
     runs = _runs(res)
     if policy not in runs:
         return []
@@ -197,7 +196,7 @@ def goal_checks(load: str, res: dict, policy: str = "nightjar") -> list[tuple[st
     best_label = max(fixed, key=lambda k: _tps(fixed[k]))
     best = fixed[best_label]
     checks = []
-    if load == "trace":
+    if load in CHANGING:
         statics = {k: v for k, v in fixed.items() if v["policy"] == "static"}
         if statics:
             best_static = max(statics, key=lambda k: _tps(statics[k]))
