@@ -134,7 +134,9 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
         raise ValueError(f"max_model_len {rc.max_model_len} is too short to measure a step "
                          f"profile (needs about {widest + 2} tokens per sequence); pass one "
                          f"made by `jspec profile` with --policy-option profile=PROFILE.json")
-    blocks_per_seq = -(-rc.max_model_len // engine.config.block_size)
+    # a measuring sequence never holds more than its prompt plus one round's growth (fresh()
+    # replaces it before the next round would not fit)
+    blocks_per_seq = -(-(context + widest + max_gamma + 1) // engine.config.block_size) + 1
     usable = engine.block_manager.num_usable_blocks
     top = min(engine.config.max_num_seqs, usable // blocks_per_seq)
     if top < 1:
@@ -172,8 +174,10 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
                                                   for s in engine.scheduler.running):
             engine.step()
 
+    cap = context + widest + max_gamma + 1  # tokens a measuring sequence may reach
+
     def room() -> int:
-        return rc.max_model_len - max(s.num_tokens for s in engine.scheduler.running) - 1
+        return cap - max(s.num_tokens for s in engine.scheduler.running) - 1
 
     try:
         for bi, batch in enumerate(batch_sizes):
