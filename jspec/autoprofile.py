@@ -18,10 +18,10 @@ included, not the bare forward that `jspec profile` times:
 The grid is the batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (the engine's own row buckets
 sit at the same powers of two), every γ from 0 to Γmax, one context (128 tokens, less when the
 model is short) and catch-up lengths 2 and 8. On the 2-vCPU development machine the built-in
-pair takes about 20 s (docs/benchmarks.md). The cache key is every input that changes a step's
-cost: both models' shapes, backend and device kind, the KV dtype, and the engine's batch shape
-options. ``JSPEC_PROFILE_CACHE=off`` measures afresh every time without reading or writing the
-cache.
+pair takes about 10 s at max_num_seqs 32, Γmax 5 (docs/benchmarks.md). The cache key is every
+input that changes a step's cost: both models' shapes, backend and device kind, the KV dtype,
+and the engine's batch shape options. ``JSPEC_PROFILE_CACHE=off`` measures afresh every time
+without reading or writing the cache.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import time
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy
 from policies.profile import FORMAT, StepProfile, model_signature
+from policies.static import StaticPolicy
 
 VERSION = 1  # bump when what is measured changes: older cached profiles are then ignored
 CONTEXT = 128
@@ -44,22 +44,18 @@ CATCH_UP_LENS = (2, 8)
 STEPS = 3  # measured steps per (B, γ), after one settling step
 
 
-class ForcedGamma(Policy):
-    """The profiler's policy: every decoding sequence drafts ``gamma`` (set between steps)."""
+class ForcedGamma(StaticPolicy):
+    """The profiler's policy: a static γ that the profiler sets between steps, declaring every γ
+    the engine compiled for (so the engine's executables and lookahead stay as they are)."""
 
     name = "profiler"
 
     def __init__(self, max_gamma: int, possible: set[int]):
-        super().__init__(max_gamma)
+        super().__init__(max_gamma, gamma=0)
         self._possible = set(possible)
-        self.gamma = 0
 
     def possible_gammas(self) -> set[int]:
         return self._possible
-
-    def plan(self, view: BatchView) -> DraftPlan:
-        gamma = self.gamma if view.draft_resident else 0
-        return DraftPlan(gammas=np.full(view.num_decode, gamma, np.int32))
 
 
 def cache_key(engine) -> str:
@@ -136,7 +132,8 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
                          f"made by `jspec profile` with --policy-option profile=PROFILE.json")
     # a measuring sequence never holds more than its prompt plus one round's growth (fresh()
     # replaces it before the next round would not fit)
-    blocks_per_seq = -(-(context + widest + max_gamma + 1) // engine.config.block_size) + 1
+    cap = context + widest + max_gamma + 1
+    blocks_per_seq = -(-cap // engine.config.block_size) + 1
     usable = engine.block_manager.num_usable_blocks
     top = min(engine.config.max_num_seqs, usable // blocks_per_seq)
     if top < 1:
@@ -173,8 +170,6 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
         while engine.scheduler.num_waiting or any(not s.is_decoding
                                                   for s in engine.scheduler.running):
             engine.step()
-
-    cap = context + widest + max_gamma + 1  # tokens a measuring sequence may reach
 
     def room() -> int:
         return cap - max(s.num_tokens for s in engine.scheduler.running) - 1

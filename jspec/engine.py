@@ -275,10 +275,8 @@ class LLMEngine:
                 for s in sched.scheduled]
         decode_idx = np.array([i for i, r in enumerate(rows) if r.is_decode], np.int64)
         num_prefill_tokens = sum(r.num_new_tokens for r in rows if not r.is_decode)
-        # steps that carry prefill run at the widest row bucket (config.ResolvedConfig)
-        num_rows = (self.rc.seq_bucket(len(rows)) if len(decode_idx) == len(rows)
-                    else self.rc.seq_buckets[-1])
-        st = StepState(rows=rows, decode_idx=decode_idx, num_rows=num_rows,
+        st = StepState(rows=rows, decode_idx=decode_idx,
+                       num_rows=self._row_bucket(rows, decode_idx),
                        num_prefill_tokens=num_prefill_tokens)
         st.view = self._batch_view(st)
         if len(decode_idx) and self.draft is not None:
@@ -294,6 +292,12 @@ class LLMEngine:
         st.sampling = ib.sampling_tensors(rows, st.num_rows)
         return st
 
+    def _row_bucket(self, rows, decode_idx) -> int:
+        """The row bucket a step pads to; steps that carry prefill run at the widest one
+        (config.ResolvedConfig)."""
+        return (self.rc.seq_bucket(len(rows)) if len(decode_idx) == len(rows)
+                else self.rc.seq_buckets[-1])
+
     def _reclaim(self, sched, st: StepState) -> None:
         """Spend the lookahead budget the plan left unused on prefill (Scheduler.reclaim): a
         policy that plans γ = 0 under load must not slow prefill down to the pace of Γmax."""
@@ -302,16 +306,13 @@ class LLMEngine:
             return
         rows = st.rows
         for i, s in enumerate(sched.scheduled):
-            if i < len(rows) and rows[i].is_decode:
-                rows[i].lookahead = s.num_lookahead_slots
-            elif i < len(rows):
-                rows[i].num_new_tokens, rows[i].samples = s.num_new_tokens, s.samples
-            else:  # admitted: a prefill chunk
+            if i >= len(rows):  # admitted: a prefill chunk
                 rows.append(ib.RowWork(s.seq, s.num_new_tokens, s.is_decode, s.samples,
                                        s.num_lookahead_slots))
+            elif not rows[i].is_decode:  # a prefill chunk that grew
+                rows[i].num_new_tokens, rows[i].samples = s.num_new_tokens, s.samples
         st.num_prefill_tokens = sum(r.num_new_tokens for r in rows if not r.is_decode)
-        st.num_rows = (self.rc.seq_bucket(len(rows)) if len(st.decode_idx) == len(rows)
-                       else self.rc.seq_buckets[-1])
+        st.num_rows = self._row_bucket(rows, st.decode_idx)
 
     def _apply_plan(self, st: StepState) -> None:
         plan = st.plan

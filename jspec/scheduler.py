@@ -343,23 +343,20 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - sched.num_batched_tokens + freed
         changed = False
         bm = self.block_manager
-        block_size = bm.block_size
-        chunked = self.config.enable_chunked_prefill
         for item in scheduled:
             if budget <= 0:
                 break
+            # only a chunk that stops short of its prompt's end grows (without chunked prefill
+            # every scheduled prompt is whole: ``samples`` is set)
             if item.is_decode or item.samples:
                 continue
             seq = item.seq
             remaining = seq.num_tokens - seq.num_computed
             extra = min(remaining - item.num_new_tokens, budget)
-            if not chunked and extra < remaining - item.num_new_tokens:
-                continue
-            want = seq.num_computed + item.num_new_tokens + extra
-            if not bm.allocate(seq.request_id, want):
-                capacity = bm.num_slots(seq.request_id) + bm.num_free_blocks * block_size
+            if not bm.allocate(seq.request_id, seq.num_computed + item.num_new_tokens + extra):
+                capacity = bm.num_slots(seq.request_id) + bm.num_free_blocks * bm.block_size
                 extra = min(extra, capacity - seq.num_computed - item.num_new_tokens)
-                if extra <= 0 or not chunked:
+                if extra <= 0:
                     continue
                 bm.allocate(seq.request_id, seq.num_computed + item.num_new_tokens + extra)
             item.num_new_tokens += extra

@@ -102,7 +102,7 @@ class AdaSpecPolicy(Policy):
                  tpot_slo: float | None = None, confidence_prior: float = 0.6,
                  verifier: bool = True):
         super().__init__(max_gamma)
-        self.profile = None if profile is None else load_profile(self.name, profile)
+        self.profile = load_profile(self.name, profile)
         if tpot_slo is not None:
             if isinstance(tpot_slo, bool) or not isinstance(tpot_slo, (int, float)) \
                     or not tpot_slo > 0:

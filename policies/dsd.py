@@ -63,7 +63,7 @@ class DSDPolicy(Policy):
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  alpha0: float = 0.6, ema: float = 0.1, rate: str = "judged"):
         super().__init__(max_gamma)
-        self.profile = None if profile is None else load_profile(self.name, profile)
+        self.profile = load_profile(self.name, profile)
         self.alpha0 = _unit("alpha0", alpha0, low_open=False)
         self.ema = _unit("ema", ema, low_open=True)
         if rate not in _RATES:

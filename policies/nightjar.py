@@ -140,9 +140,12 @@ class _Context:
         """Variance of g̃ for ``arm``, ``ahead`` steps from now: var / weight from its samples,
         plus the drift its true goodput may have made while other arms were played, (drift ·
         g̃)² per 100 steps of the context that did not sample it."""
-        noise = max(self.var[arm], (_MIN_REL_SD * self.goodput[arm]) ** 2)
         gap = max(self.clock + ahead - self.last[arm] - 1, 0)
-        return noise / self.weight[arm] + (drift * self.goodput[arm]) ** 2 * gap / 100.0
+        return self._noise(arm) / self.weight[arm] + (drift * self.goodput[arm]) ** 2 * gap / 100.0
+
+    def _noise(self, arm: int) -> float:
+        """A sample's variance: the estimate, at least (_MIN_REL_SD · g̃)²."""
+        return max(self.var[arm], (_MIN_REL_SD * self.goodput[arm]) ** 2)
 
     def record(self, arm: int, reward: float, drift: float) -> None:
         """One decode-only sample of ``arm``: a Kalman update of g̃ in which the arm's true
@@ -156,7 +159,7 @@ class _Context:
             self.weight[arm] = 1.0
         else:
             prior = self._mean_var(arm, drift, ahead=1)  # this sample's step has passed too
-            noise = max(self.var[arm], (_MIN_REL_SD * self.goodput[arm]) ** 2)
+            noise = self._noise(arm)
             gain = prior / (prior + noise)
             if drift > 0:
                 gain = max(gain, 1.0 / _WINDOW)
@@ -206,7 +209,7 @@ class NightjarPolicy(Policy):
                 or not math.isfinite(drift)):
             raise ValueError(f"{self.name} option drift must be a number >= 0, got {drift!r}")
         # the engine checks `profile` against its models
-        self.profile = None if profile is None else load_profile(self.name, profile)
+        self.profile = load_profile(self.name, profile)
         self.switching_cost = switching_cost
         self.eliminate = eliminate
         self.decode_only_reward = decode_only_reward

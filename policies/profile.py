@@ -202,8 +202,12 @@ def model_signature(cfg) -> str:
             f"{cfg.num_kv_heads}x{cfg.head_dim} ffn{cfg.intermediate_size} v{cfg.vocab_size}")
 
 
-def load_profile(policy: str, profile: "str | os.PathLike | StepProfile") -> StepProfile:
-    """The profile a policy was given: a StepProfile, or the path of one."""
+def load_profile(policy: str, profile: "str | os.PathLike | StepProfile | None"
+                 ) -> StepProfile | None:
+    """The profile a policy was given: a StepProfile, the path of one, or None (none given: an
+    engine measures one, jspec/autoprofile.py)."""
+    if profile is None:
+        return None
     if not isinstance(profile, (str, os.PathLike, StepProfile)):
         raise ValueError(f"{policy} option profile must be a path to a step profile or a "
                          f"StepProfile, got {type(profile).__name__}")
