@@ -11,7 +11,8 @@ tokens, greedy, no EOS) and, for each γ it can run, times a few real ``LLMEngin
 included, not the bare forward that `jspec profile` times:
 
 * ``target_time[B, γ+1, context]`` = step time − draft loop − catch-up (everything but the draft);
-* ``draft_time[B, context]`` = the draft loop at the largest γ / that γ (one draft forward);
+* ``draft_time[B, context]`` = the draft loop at the largest γ / that γ (one draft forward), the
+  loop's device time (the engine syncs between stages while it measures, ``time_stages``);
 * ``catch_up_time[C, B]``: after C − 1 steps at γ = 0 every sequence's draft lags C tokens, and
   the next step with γ > 0 reports the catch-up it ran (Nightjar's c_prefill).
 
@@ -38,7 +39,7 @@ import numpy as np
 from policies.profile import FORMAT, StepProfile, model_signature
 from policies.static import StaticPolicy
 
-VERSION = 1  # bump when what is measured changes: older cached profiles are then ignored
+VERSION = 2  # bump when what is measured changes: older cached profiles are then ignored
 CONTEXT = 128
 CATCH_UP_LENS = (2, 8)
 STEPS = 3  # measured steps per (B, γ), after one settling step
@@ -143,9 +144,13 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
         batch_sizes.append(top)
 
     saved = (engine.policy, engine.metrics, engine.last_outcome, engine.last_step,
-             engine.stream_outputs)
+             engine.stream_outputs, engine.time_stages)
     forced = ForcedGamma(max_gamma, saved[0].possible_gammas() | set(gammas))
-    engine.policy, engine.stream_outputs = forced, False
+    # time_stages: the draft loop is waited for before verification is dispatched, so a
+    # step's draft_time is the loop's device time, not its dispatch; otherwise the draft's
+    # cost lands in target_time's γ > 0 entries and a verifier (AdaSpec's select) would think
+    # that dropping a drafted token saves the draft forward that produced it
+    engine.policy, engine.stream_outputs, engine.time_stages = forced, False, True
     engine.metrics = EngineMetrics(max_gamma=max_gamma)  # the profiling steps are not served
     target_time = np.zeros((len(batch_sizes), len(gammas), 1))
     draft_time = np.zeros((len(batch_sizes), 1))
@@ -206,7 +211,7 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
             engine.abort_request(ids)
             engine.step()
         (engine.policy, engine.metrics, engine.last_outcome, engine.last_step,
-         engine.stream_outputs) = saved
+         engine.stream_outputs, engine.time_stages) = saved
         engine._pending_outputs.clear()
     device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
     return StepProfile(model_signature(engine.target.cfg), model_signature(engine.draft.cfg),

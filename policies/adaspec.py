@@ -61,10 +61,55 @@ nothing speculated the SLO rule no longer applies).
 (outcome.confidence, NaN where not verified). Verified tokens are the ones select() kept, a
 sample biased towards confident tokens; the paper does not say which tokens its history holds.
 
+(d) Three deviations, each an option (``calibrate=false, probe_tokens=0, confidence_z=0`` is the
+paper's rule):
+
+  Calibration (``calibrate``, default on). The paper takes a draft token's confidence q(x) for
+  its acceptance probability. With the built-in pair and greedy verification (a token is
+  accepted when the draft's choice is the target's) they differ: at B = 1 the mean confidence
+  of verified tokens was 0.55 while the judged acceptance rate was 0.85 (docs/benchmarks.md),
+  so the model predicted 2.1 tokens per γ = 4 step where 3.8 came, and γ = 0 won a comparison
+  it should have lost. κ = Σ accepted / Σ q over judged draft tokens (the accepted prefix and
+  the first rejection of each sequence, the tokens whose fate says something about their q;
+  4 tokens of κ = 1 as a prior) rescales every estimate: c_{i,j} = Π min(1, κ·q), c̄' =
+  min(1, κ·c̄). The device stop rule compares the raw product c_{i,j} = Π q with one threshold
+  per sequence, while the calibrated rule for token j+1 is κ^j·c_{i,j}·c̄' > τ·E*, a threshold
+  that changes with j. The device gets τ·E*/(c̄'·max(κ, κ^(γ*−1))), the most permissive of
+  those for j = 1..γ*−1: it may draft a token the calibrated rule would not, and select(), which
+  ranks the calibrated products exactly, removes it from verification; a stricter threshold
+  would stop drafts that nothing could restore (with κ = 1.55 a κ^1 threshold cut the built-in
+  pair's drafts to 1.6 tokens of a planned 4).
+  Under sampling, acceptance min(1, p/q) is also not q, and κ measures that gap the same way.
+
+  Probe (``probe_tokens``, default 16). c̄ is learned only from verified tokens, so a prior under
+  which γ = 0 wins is never corrected (on the built-in pair at B = 1 the engine-measured step
+  costs and the 0.6 prior gave γ = 0 for every step). Until ``probe_tokens`` confidences were
+  seen, every plan drafts at least one token with no stop rule, and select() keeps all of it.
+
+  Optimism (``confidence_z``, default 2). A probe is a start, not a cure: 16 tokens drafted
+  right after prompts had c̄ = 0.40 (κ·c̄ = 0.62) where the steady value is near 0.85, and from
+  there γ = 0 won again and nothing more was seen. The drafter plans with an upper confidence
+  bound, c̄' + z·√(c̄'(1 − c̄')/n) (n = confidences seen, capped at 1), the rule that keeps a
+  bandit from locking on a pessimistic early estimate: while evidence is thin, speculation is
+  given the benefit of the doubt and its outcome is observed; with n in the thousands the bound
+  is within a percent or two of c̄'. If even the bound says γ = 0, plain decoding is chosen
+  with confidence.
+
+(e) The fixed cost of speculating. E(γ) is unimodal when T grows linearly in γ (§4.3), but a
+real step pays once for speculating at all: the draft's first forward over its pending tokens,
+the loop, a wider verify. The engine-measured profile of the built-in pair at B = 1 has
+T = 3.3, 6.6, 7.6, 7.6, 8.3, 8.7 ms for γ = 0..5: going from γ = 0 to 1 costs 3.3 ms, each
+further token under 1 ms. E(1) < E(0) there although E(5) is 1.8× E(0), so the walk from γ = 0
+stopped at once, and the threshold's τ = (T(γ*) − T(0))/γ* charged that fixed cost to every
+token. So the walk starts at γ = 1, its peak is compared with γ = 0, and τ is the marginal cost
+(T(γ*) − T(1))/((γ* − 1)·n): once drafting has begun the fixed cost is spent, and the stop rule
+only weighs one more token (for linear costs this is the same τ as the paper's).
+
 Options: ``profile`` (path or StepProfile; default: the one the engine measures at start-up,
 jspec/autoprofile.py), ``tpot_slo`` (seconds, None = no SLO),
 ``confidence_prior`` (c̄ before anything was observed, 0.6), ``verifier`` (True; False skips
-select() and its host sync: the paper's AdaSpec− ablation, drafter only).
+select() and its host sync: the paper's AdaSpec− ablation, drafter only), ``calibrate``,
+``probe_tokens``, ``confidence_z`` ((d)).
 """
 
 from __future__ import annotations
@@ -74,8 +119,11 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
+from policies.base import (BatchView, DraftPlan, DraftStats, Policy, StepOutcome, option_bool,
+                           option_number)
 from policies.profile import StepProfile, load_profile
+
+_KAPPA_PSEUDO = 4.0  # judged tokens of evidence the calibration prior κ = 1 is worth
 
 
 def cumulative_confidence(confidence: np.ndarray, num_drafted: np.ndarray) -> np.ndarray:
@@ -100,7 +148,8 @@ class AdaSpecPolicy(Policy):
 
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  tpot_slo: float | None = None, confidence_prior: float = 0.6,
-                 verifier: bool = True):
+                 verifier: bool = True, calibrate: bool = True, probe_tokens: int = 16,
+                 confidence_z: float = 2.0):
         super().__init__(max_gamma)
         self.profile = load_profile(self.name, profile)
         if tpot_slo is not None:
@@ -117,18 +166,50 @@ class AdaSpecPolicy(Policy):
         if not isinstance(verifier, bool):
             raise ValueError(f"verifier must be true or false, got {verifier!r}")
         self.verifier = verifier
+        self.calibrate = option_bool(self.name, "calibrate", calibrate)
+        if isinstance(probe_tokens, bool) or not isinstance(probe_tokens, int) or probe_tokens < 0:
+            raise ValueError(f"probe_tokens must be an integer >= 0, got {probe_tokens!r}")
+        self.probe_tokens = probe_tokens
+        self.confidence_z = option_number(self.name, "confidence_z", confidence_z)
+        self._probing = False  # this step's plan is a probe: verify everything drafted
         # running mean of per-token draft confidence, and counters (state_dict)
         self.conf_sum = 0.0
         self.conf_count = 0
         self.num_steps = 0
         self.num_planned = 0  # draft tokens planned (γ_i summed)
         self.num_removed = 0  # draft tokens the verifier removed
+        # judged draft tokens (accepted + the first rejection of each sequence): accepted ones
+        # and their summed confidence, for the calibration κ
+        self.judged_accepted = 0.0
+        self.judged_confidence = 0.0
 
     # ------------------------------------------------------------------ the model
     @property
     def mean_confidence(self) -> float:
         """c̄: the running mean of observed per-token confidence (the prior until one is seen)."""
         return self.conf_sum / self.conf_count if self.conf_count else self.confidence_prior
+
+    @property
+    def calibration(self) -> float:
+        """κ = judged accepted tokens / their summed confidence, with 4 tokens of κ = 1 as a
+        prior (1 with ``calibrate=false``): how much likelier a draft token is accepted than
+        its confidence says (module docstring, (d))."""
+        if not self.calibrate:
+            return 1.0
+        return (self.judged_accepted + _KAPPA_PSEUDO) / (self.judged_confidence + _KAPPA_PSEUDO)
+
+    def calibrated(self, confidence: np.ndarray) -> np.ndarray:
+        """Per-token acceptance estimates min(1, κ·q) from draft confidences q."""
+        return np.minimum(np.asarray(confidence, np.float64) * self.calibration, 1.0)
+
+    @property
+    def predicted_confidence(self) -> float:
+        """c̄ as the predict step uses it: c̄' = min(1, κ·c̄) plus ``confidence_z`` standard
+        errors of a rate seen over ``conf_count`` tokens, at most 1 (module docstring, (d))."""
+        c = min(self.mean_confidence * self.calibration, 1.0)
+        if self.confidence_z > 0:
+            c += self.confidence_z * float(np.sqrt(c * (1.0 - c) / max(self.conf_count, 1)))
+        return min(c, 1.0)
 
     @staticmethod
     def _load(view: BatchView) -> tuple[float, float]:
@@ -177,26 +258,36 @@ class AdaSpecPolicy(Policy):
     def predicted_efficiency(self, view: BatchView, gamma: int) -> float:
         """E(γ) with every sequence drafting γ and c_{i,j} predicted as c̄^j."""
         n = view.num_decode
-        accepted = n * float(np.sum(self.mean_confidence ** np.arange(gamma + 1)))
+        accepted = n * float(np.sum(self.predicted_confidence ** np.arange(gamma + 1)))
         return self._efficiency(accepted, self.step_time(view, n * gamma, gamma), gamma > 0)
 
     def plan_gamma(self, view: BatchView) -> tuple[int, float]:
-        """(γ*, E*): walk γ up while the predicted efficiency rises (first local maximum)."""
+        """(γ*, E*): walk γ up from 1 while the predicted efficiency rises (first local maximum
+        of the speculative steps), then keep γ = 0 if plain decoding is better still (module
+        docstring, (e))."""
         best_gamma, best = 0, self.predicted_efficiency(view, 0)
-        for gamma in range(1, self.max_gamma + 1):
+        if self.max_gamma == 0:
+            return best_gamma, best
+        peak_gamma, peak = 1, self.predicted_efficiency(view, 1)
+        for gamma in range(2, self.max_gamma + 1):
             e = self.predicted_efficiency(view, gamma)
-            if e <= best:
+            if e <= peak:
                 break
-            best_gamma, best = gamma, e
-        return best_gamma, best
+            peak_gamma, peak = gamma, e
+        return (peak_gamma, peak) if peak > best else (best_gamma, best)
 
     def stop_threshold(self, view: BatchView, gamma: int, best: float) -> float:
-        """stop_confidence = τ·E*/c̄ with τ = (T(γ*) − T(0))/(γ*·n) (module docstring, (a))."""
+        """stop_confidence = τ·E*/(c̄'·max(κ, κ^(γ*−1))) with τ = (T(γ*) − T(1))/((γ*−1)·n),
+        c̄' the predicted confidence and κ the calibration (module docstring, (a), (d), (e));
+        0 (no stop) for γ* = 1, where the only drafted token is never stopped."""
         n = view.num_decode
-        if gamma <= 0 or n == 0:
+        if gamma <= 1 or n == 0:
             return 0.0
-        tau = (self.step_time(view, n * gamma, gamma) - self.step_time(view, 0, 0)) / (gamma * n)
-        return max(tau, 0.0) * best / self.mean_confidence
+        tau = ((self.step_time(view, n * gamma, gamma) - self.step_time(view, n, 1))
+               / ((gamma - 1) * n))
+        kappa = self.calibration
+        return max(tau, 0.0) * best / (self.predicted_confidence
+                                       * max(kappa, kappa ** (gamma - 1)))
 
     # ------------------------------------------------------------------ the protocol
     def plan(self, view: BatchView) -> DraftPlan:
@@ -204,16 +295,22 @@ class AdaSpecPolicy(Policy):
         if not view.draft_resident or n == 0 or self.max_gamma == 0:
             return DraftPlan(gammas=np.zeros(n, np.int32))
         gamma, best = self.plan_gamma(view)
+        threshold = self.stop_threshold(view, gamma, best)
+        # probe (module docstring, (d)): until probe_tokens confidences were seen, draft at least
+        # one token and verify all of it, so a prior that says "never" can be corrected
+        self._probing = self.conf_count < self.probe_tokens
+        if self._probing:
+            gamma, threshold = max(gamma, 1), 0.0
         self.num_planned += gamma * n
         return DraftPlan(gammas=np.full(n, gamma, np.int32),
-                         stop_confidence=np.full(n, self.stop_threshold(view, gamma, best),
-                                                 np.float32))
+                         stop_confidence=np.full(n, threshold, np.float32))
 
     def eliminate(self, view: BatchView, stats: DraftStats) -> tuple[np.ndarray, list]:
         """The confidence-prior verifier (§5.2, Alg. 2). Returns (verify lengths, removed tokens
         in removal order as (request index, 1-based position))."""
         drafted = np.asarray(stats.num_drafted, np.int64)
-        c = cumulative_confidence(stats.confidence, drafted)
+        c = cumulative_confidence(self.calibrated(np.nan_to_num(stats.confidence, nan=0.0)),
+                                  drafted)
         lengths = drafted.copy()
         draft_steps = int(drafted.max(initial=0))  # spent already; stays in T
         accepted = len(drafted) + float(c.sum())
@@ -238,7 +335,9 @@ class AdaSpecPolicy(Policy):
                 heapq.heappush(tails, (c[i, lengths[i] - 1], i))
         return lengths, removed
 
-    def select(self, view: BatchView, stats: DraftStats) -> np.ndarray:
+    def select(self, view: BatchView, stats: DraftStats) -> np.ndarray | None:
+        if self._probing:
+            return None  # a probe verifies everything it drafted
         lengths, removed = self.eliminate(view, stats)
         self.num_removed += len(removed)
         return lengths
@@ -253,9 +352,21 @@ class AdaSpecPolicy(Policy):
         self.conf_sum += float(seen.sum())
         self.conf_count += int(seen.size)
         self.num_steps += 1
+        # judged positions: the accepted prefix and the first rejection (policies.base
+        # .judged_acceptance), of the rows whose confidences were all recorded
+        verified = np.asarray(outcome.num_verified, np.int64)
+        accepted = np.minimum(np.asarray(outcome.num_accepted, np.int64), verified)
+        judged = np.minimum(accepted + 1, verified)
+        mask = np.arange(conf.shape[1])[None, :] < judged[:, None]
+        rows = (judged > 0) & ~np.any(mask & np.isnan(conf), axis=1)
+        if rows.any():
+            self.judged_accepted += float(accepted[rows].sum())
+            self.judged_confidence += float(np.where(mask[rows], conf[rows], 0.0).sum())
 
     # ------------------------------------------------------------------ state
-    _STATE_KEYS = ("conf_sum", "conf_count", "num_steps", "num_planned", "num_removed")
+    _STATE_KEYS = ("conf_sum", "conf_count", "num_steps", "num_planned", "num_removed",
+                   "judged_accepted", "judged_confidence")
+    _NEWER_KEYS = {"judged_accepted", "judged_confidence"}  # states saved before lack them
 
     def state_dict(self) -> dict[str, Any]:
         state = {k: getattr(self, k) for k in self._STATE_KEYS}
@@ -264,10 +375,12 @@ class AdaSpecPolicy(Policy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unknown = set(state) - set(self._STATE_KEYS) - {"mean_confidence"}
-        missing = set(self._STATE_KEYS) - set(state)
+        missing = set(self._STATE_KEYS) - set(state) - self._NEWER_KEYS
         if unknown or missing:
             raise ValueError(f"adaspec state: unknown keys {sorted(unknown)}, "
                              f"missing keys {sorted(missing)}")
         self.conf_sum = float(state["conf_sum"])
+        for k in self._NEWER_KEYS:
+            setattr(self, k, float(state.get(k, 0.0)))
         for k in ("conf_count", "num_steps", "num_planned", "num_removed"):
             setattr(self, k, int(state[k]))

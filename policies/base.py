@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,48 @@ class StepOutcome:
     def goodput(self) -> float:
         """Tokens produced by decoding sequences per second of step time."""
         return float(self.num_emitted.sum()) / self.step_time if self.step_time > 0 else 0.0
+
+
+def option_bool(policy: str, key: str, value: Any) -> bool:
+    """A true/false policy option, or a clear error naming it."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{policy} option {key} must be true or false, got {value!r}")
+    return value
+
+
+def option_number(policy: str, key: str, value: Any, low: float = 0.0, high: float = math.inf,
+                  low_open: bool = False) -> float:
+    """A finite number option in [low, high] ((low, high] with ``low_open``), or a clear error."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and value <= high)
+    if not ok:
+        if math.isinf(high):
+            want = f"> {low:g}" if low_open else f">= {low:g}"
+        else:
+            want = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{policy} option {key} must be a number {want}, got {value!r}")
+    return float(value)
+
+
+def expected_tokens(alpha: float, gammas) -> np.ndarray:
+    """E(γ) = Σ_{j=0..γ} α^j for each γ: tokens one sequence emits drafting γ when every draft
+    token is accepted independently with probability α (the geometric acceptance model; γ = 0 is
+    plain decoding, 1 token). The sum form needs no special case at α = 1."""
+    gammas = np.asarray(gammas, np.int64)
+    powers = np.cumsum(float(alpha) ** np.arange(int(gammas.max(initial=0)) + 1))
+    return powers[gammas]
+
+
+def judged_acceptance(outcome: "StepOutcome") -> tuple[int, int]:
+    """(accepted, judged) draft tokens of a step, the sufficient statistics of the per-token
+    acceptance rate α under the geometric model: judged = accepted + one rejection per sequence
+    that accepted fewer tokens than it verified. Tokens behind a rejection are discarded unjudged
+    and say nothing about α, so accepted / judged has expectation exactly α (counting them, as
+    accepted / verified does, reads α = 0.8 at γ = 4 as 0.59)."""
+    verified = np.asarray(outcome.num_verified, np.int64)
+    accepted = np.minimum(np.asarray(outcome.num_accepted, np.int64), verified)
+    total = int(accepted.sum())
+    return total, total + int(np.count_nonzero(accepted < verified))
 
 
 class Policy(abc.ABC):

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from policies.adaspec import AdaSpecPolicy, cumulative_confidence
-from policies.dsd import DSDPolicy, expected_tokens
+from policies.base import expected_tokens
+from policies.dsd import DSDPolicy
 from policies.profile import StepProfile, synthetic_profile
 from policy_helpers import make_outcome, make_stats, make_view
 
@@ -30,8 +31,14 @@ def linear_profile() -> StepProfile:
 
 
 def adaspec(**kw) -> AdaSpecPolicy:
+    """AdaSpec as the paper states it (no calibration, probe or optimism: the deviations of the module
+    docstring's (d) have their own tests below), by default on the hand profile."""
     kw.setdefault("max_gamma", 4)
-    return AdaSpecPolicy(profile=linear_profile(), **kw)
+    kw.setdefault("calibrate", False)
+    kw.setdefault("probe_tokens", 0)
+    kw.setdefault("confidence_z", 0.0)
+    kw.setdefault("profile", linear_profile())
+    return AdaSpecPolicy(**kw)
 
 
 def device_drafts(confidences, gamma: int, stop_confidence: float) -> int:
@@ -124,6 +131,105 @@ def test_drafter_after_observing_confidence():
     assert pol.mean_confidence == pytest.approx((1.6 + 0.4) / 4)
 
 
+def test_calibration_rescales_confidence_to_judged_acceptance():
+    pol = adaspec(calibrate=True)
+    # row 0 accepted all 3 (3 judged tokens), row 1 accepted 1 and was rejected at its 2nd
+    # (2 judged); the 3rd token of row 1 is unjudged and does not count
+    pol.observe(make_outcome(VIEW, [3, 3], [3, 1], confidence=[[0.5] * 3, [0.5] * 3]))
+    assert (pol.judged_accepted, pol.judged_confidence) == (4.0, 2.5)
+    kappa = (4 + 4) / (2.5 + 4)  # 4 tokens of κ = 1 as the prior
+    assert pol.calibration == pytest.approx(kappa)
+    assert pol.mean_confidence == 0.5 and pol.predicted_confidence == pytest.approx(0.5 * kappa)
+    assert pol.calibrated([0.5, 0.9]) == pytest.approx([0.5 * kappa, 1.0])
+    # confidence 0.5 but every token accepted: κ → 2, c̄' → 1 and the drafter goes to Γmax,
+    # where the paper's rule (c̄ = 0.5: E = 2/12, 3/15, 3.5/18) stops at γ = 1
+    paper = adaspec()
+    for p in (pol, paper):
+        for _ in range(50):
+            p.observe(make_outcome(VIEW, [3, 3], [3, 3], confidence=[[0.5] * 3, [0.5] * 3]))
+    assert pol.predicted_confidence == pytest.approx(1.0, abs=0.02)
+    plan = pol.plan(VIEW)
+    assert plan.gammas.tolist() == [4, 4] and paper.plan(VIEW).gammas.tolist() == [1, 1]
+    best = pol.predicted_efficiency(VIEW, 4)
+    tau = (pol.step_time(VIEW, 8, 4) - pol.step_time(VIEW, 0, 0)) / 8
+    assert plan.stop_confidence[0] == pytest.approx(
+        tau * best / (pol.predicted_confidence * pol.calibration ** 3), rel=1e-6)  # κ^(γ*−1)
+    # the verifier ranks calibrated products: with κ ≈ 2 a 0.5-confidence token is a sure one
+    lengths = pol.select(VIEW, make_stats([[0.5] * 4, [0.5] * 4]))
+    assert lengths.tolist() == [4, 4]
+    assert paper.select(VIEW, make_stats([[0.5] * 4, [0.5] * 4])).tolist() != [4, 4]
+
+
+def test_probe_drafts_until_confidence_was_seen():
+    """A prior under which γ = 0 wins is corrected: the first steps draft one token, verify it
+    whatever the verifier would say, and the observed confidence takes over."""
+    pol = adaspec(confidence_prior=0.1, probe_tokens=4)
+    stuck = adaspec(confidence_prior=0.1)  # the paper's rule: no probe
+    assert stuck.plan(VIEW).gammas.tolist() == [0, 0]  # E(1) = 2.2/15 < E(0) = 2/12
+    for gamma in (1, 4):  # after the first probe c̄ = 0.9 asks for Γmax; still a probe
+        plan = pol.plan(VIEW)
+        assert plan.gammas.tolist() == [gamma] * 2 and plan.stop_confidence.tolist() == [0, 0]
+        assert pol.select(VIEW, make_stats([[0.1], [0.1]])) is None  # keep everything
+        pol.observe(make_outcome(VIEW, [1, 1], [1, 1], confidence=[[0.9], [0.9]]))
+    assert pol.conf_count == 4 and pol.mean_confidence == pytest.approx(0.9)
+    plan = pol.plan(VIEW)  # probing is over: the drafter's own choice, with its stop rule
+    assert plan.gammas.tolist() == [4, 4] and plan.stop_confidence[0] > 0
+    assert pol.select(VIEW, make_stats([[0.9] * 4, [0.1] * 4])) is not None
+
+
+def test_adaspec_state_keeps_the_calibration_and_loads_older_states():
+    pol = adaspec(calibrate=True)
+    pol.observe(make_outcome(VIEW, [2, 2], [2, 0], confidence=[[0.6, 0.6], [0.6, 0.6]]))
+    state = json.loads(json.dumps(pol.state_dict()))
+    fresh = adaspec(calibrate=True)
+    fresh.load_state_dict(state)
+    assert fresh.calibration == pol.calibration != 1.0
+    del state["judged_accepted"], state["judged_confidence"]
+    older = adaspec(calibrate=True)
+    older.load_state_dict(state)
+    assert older.calibration == 1.0 and older.mean_confidence == pol.mean_confidence
+
+
+def fixed_cost_profile() -> StepProfile:
+    """Speculating at all costs 14 (γ = 0 → 1), each further token 1: T(B = 2) = 12, 26, 27,
+    28, 29, like the engine-measured profile of the built-in pair at B = 1 (module docstring
+    (e))."""
+    batch, query, ctx = [1, 4], [1, 2, 5], [100, 1000]
+    target = [[[10.0 + b * 1.0] * 2, [25.0 + b * 0.5] * 2, [28.0 + b * 0.5] * 2] for b in batch]
+    return StepProfile("t", "d", "hand", "none", batch, query, ctx, [1], target,
+                       np.zeros((len(batch), len(ctx))), np.ones((1, len(batch))))
+
+
+def test_a_fixed_cost_of_speculating_does_not_stop_the_walk_at_zero():
+    pol = adaspec(profile=fixed_cost_profile(), confidence_prior=0.9)
+    t = [pol.step_time(VIEW, 2 * g, g) for g in range(5)]
+    assert t == pytest.approx([12, 26, 27, 28, 29])
+    e = [pol.predicted_efficiency(VIEW, g) for g in range(5)]
+    assert e[1] < e[0] < e[4]  # not unimodal: the paper's walk from γ = 0 would stop at 0
+    plan = pol.plan(VIEW)
+    assert plan.gammas.tolist() == [4, 4]
+    # τ: the marginal cost of a token once drafting has begun, (T(4) − T(1))/(3·2) = 0.5,
+    # not (T(4) − T(0))/(4·2) = 2.125 with the fixed cost spread over the tokens
+    assert plan.stop_confidence[0] == pytest.approx(0.5 * e[4] / 0.9, rel=1e-5)
+    # when speculation's best still loses to plain decoding, γ = 0
+    assert adaspec(profile=fixed_cost_profile(), confidence_prior=0.3).plan(VIEW) \
+        .gammas.tolist() == [0, 0]
+
+
+def test_optimism_speculates_while_the_evidence_is_thin():
+    """c̄ = 0.5 says γ = 0 on the fixed-cost profile (E(4) = 3.875/29 < 2/12); after 16 tokens
+    its bound 0.5 + 2·√(0.25/16) = 0.75 says γ = 4 (E(4) = 6.1/29), after 10000 it does not."""
+    pol = adaspec(profile=fixed_cost_profile(), confidence_z=2.0)
+    pol.conf_sum, pol.conf_count = 8.0, 16
+    assert pol.predicted_confidence == pytest.approx(0.75)
+    assert pol.plan(VIEW).gammas.tolist() == [4, 4]
+    pol.conf_sum, pol.conf_count = 5000.0, 10000
+    assert pol.predicted_confidence == pytest.approx(0.51)
+    assert pol.plan(VIEW).gammas.tolist() == [0, 0]
+    assert adaspec(profile=fixed_cost_profile(), confidence_prior=0.5).plan(VIEW) \
+        .gammas.tolist() == [0, 0]  # the paper's rule: γ = 0 from the prior, never revisited
+
+
 # ---------------------------------------------------------------------------- verifier
 def test_elimination_order_takes_the_last_kept_token():
     # c: r0 = 0.9, 0.27, 0.243; r1 = 0.5, 0.2, 0.1 (column 4: not drafted, must be ignored)
@@ -169,7 +275,7 @@ def test_slo_falls_back_to_no_speculation():
     assert pol.predicted_efficiency(VIEW, 0) == pytest.approx(2 / 12)  # γ = 0 never breaks it
     plan = pol.plan(VIEW)
     assert plan.gammas.tolist() == [1, 1]
-    assert plan.stop_confidence[0] == pytest.approx(1.5 * (3.2 / 15) / 0.6)
+    assert plan.stop_confidence[0] == 0.0  # γ* = 1: the one token is never stopped
 
 
 def test_slo_in_the_verifier():
@@ -187,14 +293,35 @@ def test_dsd_goodput_argmax():
     # T(γ) = 12 + 3γ, goodput = 2·E(γ)/T(γ)
     # α = 0.5: E = 1, 1.5, 1.75, 1.875, 1.9375 -> E/T = .0833 .1000 .0972 .0893 .0807: γ* = 1
     # α = 0.8: E = 1, 1.8, 2.44, 2.952, 3.3616 -> E/T = .0833 .1200 .1356 .1406 .1401: γ* = 3
-    low = DSDPolicy(max_gamma=4, profile=linear_profile(), alpha0=0.5)
+    low = DSDPolicy(max_gamma=4, profile=linear_profile(), alpha0=0.5, confidence_z=0)
     assert low.goodputs(VIEW) == pytest.approx(
         [2 * e / t for e, t in zip([1, 1.5, 1.75, 1.875, 1.9375], [12, 15, 18, 21, 24])])
     assert low.plan(VIEW).gammas.tolist() == [1, 1]
-    high = DSDPolicy(max_gamma=4, profile=linear_profile(), alpha0=0.8)
+    high = DSDPolicy(max_gamma=4, profile=linear_profile(), alpha0=0.8, confidence_z=0)
     assert high.plan(VIEW).gammas.tolist() == [3, 3]
     assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
     assert expected_tokens(1.0, 3) == 4.0  # α = 1 needs no special case
+
+
+def test_dsd_plans_with_an_upper_bound_until_acceptance_was_seen():
+    """α0 = 0.3 says γ = 0 on the fixed-cost profile; the bound (1 with no evidence) says γ = 4,
+    and once many judged tokens confirm a low α, γ = 0 again."""
+    plain = DSDPolicy(max_gamma=4, profile=fixed_cost_profile(), alpha0=0.3, confidence_z=0)
+    assert plain.plan(VIEW).gammas.tolist() == [0, 0]
+    pol = DSDPolicy(max_gamma=4, profile=fixed_cost_profile(), alpha0=0.3)
+    assert pol.planning_alpha == 1.0 and pol.plan(VIEW).gammas.tolist() == [4, 4]
+    for _ in range(400):  # per sequence: 0 of 4 accepted, then 3 of 4 (2 + 8 judged in all)
+        pol.observe(make_outcome(VIEW, [4, 4], [0, 0], num_verified=[4, 4]))
+        pol.observe(make_outcome(VIEW, [4, 4], [3, 3], num_verified=[4, 4]))
+    # the EMA remembers about ten steps of judged tokens: 2 and 8 alternately, decayed by 0.9
+    assert pol.judged_tokens == pytest.approx((8 + 0.9 * 2) / (1 - 0.81), rel=1e-3)
+    assert pol.planning_alpha < pol.alpha + 0.2
+    assert pol.plan(VIEW).gammas.tolist() == [0, 0]
+    state = json.loads(json.dumps(pol.state_dict()))
+    del state["judged_tokens"]  # a state saved before the count existed still loads
+    older = DSDPolicy(max_gamma=4, profile=fixed_cost_profile())
+    older.load_state_dict(state)
+    assert older.judged_tokens == 0 and older.alpha == pol.alpha
 
 
 def test_dsd_ema_update():
@@ -228,7 +355,8 @@ def test_missing_profile_is_a_clear_error(cls, tmp_path):
 
 @pytest.mark.parametrize("kw", [dict(max_gamma=-1), dict(tpot_slo=0), dict(tpot_slo="fast"),
                                 dict(confidence_prior=0.0), dict(confidence_prior=1.5),
-                                dict(verifier="yes")])
+                                dict(verifier="yes"), dict(calibrate=1), dict(probe_tokens=-1),
+                                dict(probe_tokens=2.5), dict(confidence_z=-1)])
 def test_adaspec_bad_options(kw):
     kw.setdefault("max_gamma", 4)
     with pytest.raises(ValueError):
@@ -246,8 +374,8 @@ def test_dsd_bad_options(kw):
 def test_profile_path_is_loaded(tmp_path):
     path = tmp_path / "p.json"
     linear_profile().save(path)
-    assert AdaSpecPolicy(max_gamma=4, profile=str(path)).plan(VIEW).gammas.tolist() == [2, 2]
-    assert DSDPolicy(max_gamma=4, profile=str(path), alpha0=0.8).plan(VIEW).gammas.tolist() \
+    assert adaspec(profile=str(path)).plan(VIEW).gammas.tolist() == [2, 2]
+    assert DSDPolicy(max_gamma=4, profile=str(path), alpha0=0.8, confidence_z=0).plan(VIEW).gammas.tolist() \
         == [3, 3]
 
 
