@@ -19,8 +19,8 @@ After each step τ_B += 1; τ_B > √H_B ends the bin (b_B += 1, τ_B = 1); b_B 
 exact because H_B is an integer. Eq. (3) mixes units (1/g̃ is seconds per token, c_prefill/γ
 seconds per drafted token); we keep it exactly as the paper writes it.
 
-Deviations from Algorithm 1, each an option (``eliminate=false, drift=0`` is the algorithm as
-published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
+Deviations from Algorithm 1, each an option (``eliminate=false, drift=0, prior=false`` is the
+algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
 saturation", "Adaptation under load, round 2"):
 
 - ``decode_only_reward`` (default off): a step that carries prefill tokens does not update g̃
@@ -50,6 +50,25 @@ saturation", "Adaptation under load, round 2"):
   (hundreds of steps when it was 30% behind, thousands when it was 2× behind) and its first
   fresh sample moves g̃ most of the way. With drift 0 the update is exactly the 1/n average.
 
+- ``prior`` (default on; the issue's "faster convergence"): an arm with no sample in a context
+  is judged by a prior instead of being played first, g̃⁰_{B,γ} = n·E(γ)/T(B, γ), with T the
+  step-time profile's (the engine measures one at start-up when none is given,
+  jspec/autoprofile.py, so it holds the engine's real step cost) at the step's rows and mean
+  context, and E(γ) = Σ_{j≤γ} α^j tokens per sequence (geometric acceptance). α is learned
+  across all contexts from the judged acceptances of every step (policies.base
+  .judged_acceptance; decay 0.99 per step that verified drafts, ``alpha0`` = 0.6 worth 8
+  tokens before any), because acceptance belongs to the model pair and the text, not to the
+  load, while the step cost, which does depend on the load, comes from the profile. So a batch
+  size seen for the first time starts at the arm the profile and the acceptance seen so far
+  favour, rather than spending one step on every arm (explore-first), and elimination leaves
+  out arms whose prior, ± ``confidence_z``·``prior_sd`` (0.3) relative, cannot reach the
+  best. The first real sample of an arm replaces its prior (the prior is a starting point, not
+  evidence that could outweigh measurements), so a wrong prior costs at most the steps until
+  each plausible arm was sampled; Algorithm 1's exploration bins still draw every plausible
+  arm. ``prior=false`` restores explore-first and needs no profile. The prior ignores the
+  prefill tokens a step carries (the profile cannot price them per γ); it errs towards arms
+  not yet sampled, which is the safe direction for a bandit.
+
 Choices the paper leaves open:
 
 - Context: ``batch_bucket(view.batch_size)`` (policies/base.py): the smallest power of two ≥ the
@@ -74,10 +93,11 @@ Choices the paper leaves open:
   treated the same way, crediting the γ it ran. Steps with no decoding sequence teach nothing.
 - c_prefill(L_max, B), with L_max = max(view.pending_draft_tokens) (§4.2, "Prefill Cost
   Modeling"):
-  * with option ``profile`` (a path or a StepProfile from ``jspec profile``): the profile's
-    ``c_prefill(L_max, n_decode)``, its catch-up table interpolated as the paper's Table 3; the
-    batch axis is the number of decoding sequences, the ones that catch up;
-  * without: estimated online. Each observed step with catch-up work adds its
+  * with a profile (option ``profile``, a path or a StepProfile from ``jspec profile``, or the
+    one the engine measured for the prior): the profile's ``c_prefill(L_max, n_decode)``, its
+    catch-up table interpolated as the paper's Table 3; the batch axis is the number of
+    decoding sequences, the ones that catch up;
+  * without (``prior=false`` and no profile given): estimated online. Each observed step with catch-up work adds its
     (catch_up_time, catch_up_tokens) to exponentially decayed sums (factor 0.95 per such step,
     so the estimate follows the hardware's current state); seconds per catch-up token
     s = Σ time / Σ tokens (the least-squares slope through the origin with weights 1/tokens).
@@ -97,13 +117,16 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy, StepOutcome, batch_bucket
+from policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
+                           expected_tokens, judged_acceptance, option_bool, option_number)
 from policies.profile import StepProfile, load_profile
 
 EXPLORE, EXPLOIT = "explore", "exploit"
 _CATCH_UP_DECAY = 0.95  # weight of older catch-up observations, per new one
 _MIN_REL_SD = 0.02  # floor of a reward's standard deviation, relative to its mean
 _WINDOW = 100  # most samples an arm's mean averages (beyond: an exponential average)
+_ALPHA_DECAY = 0.99  # weight of older acceptance evidence, per step that verified drafts
+_ALPHA_PSEUDO = 8.0  # tokens of evidence alpha0 is worth
 
 
 @dataclasses.dataclass
@@ -174,17 +197,27 @@ class _Context:
         self.samples[arm] += 1
         self.last[arm] = self.clock
 
-    def plausible(self, z: float, drift: float) -> list[int]:
-        """Arms whose goodput could still be the best: fewer than two samples, or g̃ + z·sd at
-        least the best g̃ − z·sd, with sd from ``_mean_var`` (so an arm left out comes back
-        into exploration after a while, the sooner the closer it was)."""
-        arms = range(len(self.counts))
-        known = [a for a in arms if self.samples[a] >= 2]
-        if not known:
-            return list(arms)
-        half = {a: z * math.sqrt(self._mean_var(a, drift)) for a in known}
-        best_lo = max(self.goodput[a] - half[a] for a in known)
-        return [a for a in arms if a not in half or self.goodput[a] + half[a] >= best_lo]
+    def plausible(self, z: float, drift: float, prior: np.ndarray | None = None,
+                  prior_sd: float = 0.0) -> list[int]:
+        """Arms whose goodput could still be the best: g̃ + z·sd at least the best g̃ − z·sd,
+        with sd from ``_mean_var`` (so an arm left out comes back into exploration after a
+        while, the sooner the closer it was). An arm with one sample is always plausible (its
+        spread is unknown); one with none is too, unless a ``prior`` (goodput per arm) is given:
+        then it is judged by the prior, ± z·``prior_sd``·prior."""
+        bounds = {}
+        for a in range(len(self.counts)):
+            if self.samples[a] >= 2:
+                mean, half = self.goodput[a], z * math.sqrt(self._mean_var(a, drift))
+            elif self.samples[a] == 0 and prior is not None:
+                mean = float(prior[a])
+                half = z * prior_sd * mean
+            else:
+                continue
+            bounds[a] = (mean - half, mean + half)
+        if not bounds:
+            return list(range(len(self.counts)))
+        best_lo = max(lo for lo, _ in bounds.values())
+        return [a for a in range(len(self.counts)) if a not in bounds or bounds[a][1] >= best_lo]
 
 
 class NightjarPolicy(Policy):
@@ -193,21 +226,18 @@ class NightjarPolicy(Policy):
     def __init__(self, max_gamma: int = 4, profile: "str | os.PathLike | StepProfile | None" = None,
                  seed: int = 0, switching_cost: bool = True,
                  eliminate: bool = True, decode_only_reward: bool = False,
-                 confidence_z: float = 2.0, drift: float = 0.1):
+                 confidence_z: float = 2.0, drift: float = 0.1, prior: bool = True,
+                 prior_sd: float = 0.3, alpha0: float = 0.6):
         super().__init__(max_gamma)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{self.name} option seed must be an integer >= 0, got {seed!r}")
         for key, value in (("switching_cost", switching_cost), ("eliminate", eliminate),
-                           ("decode_only_reward", decode_only_reward)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{self.name} option {key} must be true or false, got {value!r}")
-        if (isinstance(confidence_z, bool) or not isinstance(confidence_z, (int, float))
-                or not confidence_z > 0 or not math.isfinite(confidence_z)):
-            raise ValueError(f"{self.name} option confidence_z must be a number > 0, got "
-                             f"{confidence_z!r}")
-        if (isinstance(drift, bool) or not isinstance(drift, (int, float)) or not drift >= 0
-                or not math.isfinite(drift)):
-            raise ValueError(f"{self.name} option drift must be a number >= 0, got {drift!r}")
+                           ("decode_only_reward", decode_only_reward), ("prior", prior)):
+            option_bool(self.name, key, value)
+        confidence_z = option_number(self.name, "confidence_z", confidence_z, low_open=True)
+        drift = option_number(self.name, "drift", drift)
+        prior_sd = option_number(self.name, "prior_sd", prior_sd, low_open=True)
+        alpha0 = option_number(self.name, "alpha0", alpha0, high=1.0)
         # the engine checks `profile` against its models
         self.profile = load_profile(self.name, profile)
         self.switching_cost = switching_cost
@@ -215,6 +245,12 @@ class NightjarPolicy(Policy):
         self.decode_only_reward = decode_only_reward
         self.confidence_z = float(confidence_z)
         self.drift = float(drift)
+        self.prior = prior
+        self.needs_profile = prior  # the prior's step times: an engine measures a profile
+        self.prior_sd = float(prior_sd)
+        self.alpha0 = float(alpha0)
+        self._accepted = 0.0  # decayed sums of judged_acceptance, for the prior's α
+        self._judged = 0.0
         self._rng = np.random.default_rng(seed)
         self._contexts: dict[int, _Context] = {}
         self._prev_gamma: int | None = None  # γ_{t−1}, global (see the module docstring)
@@ -233,34 +269,42 @@ class NightjarPolicy(Policy):
             self._pending = {"context": key, "gamma": 0, "forced": True}
             return DraftPlan(gammas=np.zeros(n, np.int32))
         ctx = self._context(key)
+        prior = self.prior_goodput(view)
         if ctx.mode is None:  # τ_B = 1: bin initialization (lines 6-8)
             explore = self._rng.random() < 1.0 / math.sqrt(ctx.b)
             ctx.mode = EXPLORE if explore else EXPLOIT
             if explore:  # uniform exploration, one arm for the whole bin (lines 9-11), among
                 # the arms not shown to be worse (see "Deviations")
-                arms = self._plausible(ctx)
+                arms = self._plausible(ctx, prior)
                 ctx.explore_arm = int(arms[int(self._rng.integers(len(arms)))])
-        if ctx.mode == EXPLORE and self.eliminate and ctx.explore_arm not in self._plausible(ctx):
+        if (ctx.mode == EXPLORE and self.eliminate
+                and ctx.explore_arm not in self._plausible(ctx, prior)):
             ctx.mode = EXPLOIT  # the bin's arm was shown to be worse: exploit the rest of it
-        gamma = ctx.explore_arm if ctx.mode == EXPLORE else self._exploit(ctx, view)
+        gamma = ctx.explore_arm if ctx.mode == EXPLORE else self._exploit(ctx, view, prior)
         self._pending = {"context": key, "gamma": gamma, "forced": False}
         return DraftPlan(gammas=np.full(n, gamma, np.int32))
 
-    def _plausible(self, ctx: _Context) -> list[int]:
+    def _plausible(self, ctx: _Context, prior: np.ndarray | None) -> list[int]:
         if not self.eliminate:
             return list(range(self.max_gamma + 1))
-        return ctx.plausible(self.confidence_z, self.drift)
+        return ctx.plausible(self.confidence_z, self.drift, prior, self.prior_sd)
 
-    def _exploit(self, ctx: _Context, view: BatchView) -> int:
-        """Eq. (3), explore-first for arms never played in this context (lines 12-14)."""
-        for gamma, count in enumerate(ctx.counts):
-            if count == 0:
-                return gamma
-        return int(np.argmin(self._scores(ctx, view)))
+    def _exploit(self, ctx: _Context, view: BatchView, prior: np.ndarray | None) -> int:
+        """Eq. (3); without a prior, explore-first for arms never played in this context
+        (lines 12-14)."""
+        if prior is None:
+            for gamma, count in enumerate(ctx.counts):
+                if count == 0:
+                    return gamma
+        return int(np.argmin(self._scores(ctx, view, prior)))
 
-    def _scores(self, ctx: _Context, view: BatchView) -> np.ndarray:
+    def _scores(self, ctx: _Context, view: BatchView, prior: np.ndarray | None) -> np.ndarray:
         g = np.asarray(ctx.goodput, np.float64)
-        visited = (np.asarray(ctx.samples) > 0) & (g > 0)
+        samples = np.asarray(ctx.samples)
+        if prior is not None:  # an arm without a sample is scored by its prior
+            g = np.where(samples > 0, g, prior)
+            samples = np.ones_like(samples)
+        visited = (samples > 0) & (g > 0)
         scores = np.full(len(g), np.inf)
         scores[visited] = 1.0 / g[visited]
         if self.switching_cost and self._prev_gamma == 0 and self.max_gamma > 0:
@@ -271,7 +315,27 @@ class NightjarPolicy(Policy):
     def scores(self, view: BatchView) -> np.ndarray:
         """Eq. (3)'s objective per γ for this view's context (∞ for unvisited arms)."""
         ctx = self._contexts.get(batch_bucket(view.batch_size)) or self._new_context()
-        return self._scores(ctx, view)
+        return self._scores(ctx, view, self.prior_goodput(view))
+
+    @property
+    def alpha(self) -> float:
+        """The per-token acceptance rate the prior assumes: judged acceptances (decayed by
+        ``_ALPHA_DECAY`` per step that verified something) with ``alpha0`` worth
+        ``_ALPHA_PSEUDO`` tokens (policies.base.judged_acceptance)."""
+        return ((self._accepted + self.alpha0 * _ALPHA_PSEUDO)
+                / (self._judged + _ALPHA_PSEUDO))
+
+    def prior_goodput(self, view: BatchView) -> np.ndarray | None:
+        """The prior g̃ per γ for this view (None without a profile or with ``prior=false``):
+        n·E(γ)/T(γ), with T from the step profile at this step's rows and mean context and E(γ)
+        the geometric model's tokens per sequence at the acceptance rate ``alpha``."""
+        if not self.prior or self.profile is None or view.num_decode == 0:
+            return None
+        n = view.num_decode
+        gammas = np.arange(self.max_gamma + 1)
+        times = self.profile.step_times(max(view.batch_size, n), gammas,
+                                        float(np.mean(view.context_lens)))
+        return n * expected_tokens(self.alpha, gammas) / times
 
     def c_prefill(self, view: BatchView) -> float:
         """Seconds the draft would need to catch up before drafting this view (see module
@@ -295,6 +359,10 @@ class NightjarPolicy(Policy):
             self._catch_up_time = _CATCH_UP_DECAY * self._catch_up_time + outcome.catch_up_time
             self._catch_up_tokens = (_CATCH_UP_DECAY * self._catch_up_tokens
                                      + outcome.catch_up_tokens)
+        accepted, judged = judged_acceptance(outcome)
+        if judged:
+            self._accepted = _ALPHA_DECAY * self._accepted + accepted
+            self._judged = _ALPHA_DECAY * self._judged + judged
         played = int(np.max(outcome.gammas))
         self._prev_gamma = played
         if decision is None:  # a step this policy did not plan: learn, but do not count it
@@ -344,6 +412,7 @@ class NightjarPolicy(Policy):
             "contexts": {str(k): dataclasses.asdict(c) for k, c in sorted(self._contexts.items())},
             "prev_gamma": self._prev_gamma,
             "catch_up": {"time": self._catch_up_time, "tokens": self._catch_up_tokens},
+            "acceptance": {"accepted": self._accepted, "judged": self._judged},
             "rng": self._rng.bit_generator.state,
             "pending": None if self._pending is None else dict(self._pending),
         }
@@ -377,6 +446,9 @@ class NightjarPolicy(Policy):
             rng.bit_generator.state = state["rng"]
             prev = state["prev_gamma"]
             catch_up = (float(state["catch_up"]["time"]), float(state["catch_up"]["tokens"]))
+            # saved before the prior existed: no acceptance evidence yet
+            acceptance = state.get("acceptance", {"accepted": 0.0, "judged": 0.0})
+            acceptance = (float(acceptance["accepted"]), float(acceptance["judged"]))
             pending = state.get("pending")
             if pending is not None:
                 pending = {"context": int(pending["context"]), "gamma": int(pending["gamma"]),
@@ -388,4 +460,5 @@ class NightjarPolicy(Policy):
         self._rng = rng
         self._prev_gamma = None if prev is None else int(prev)
         self._catch_up_time, self._catch_up_tokens = catch_up
+        self._accepted, self._judged = acceptance
         self._pending = pending

@@ -54,6 +54,7 @@ def test_dsd_without_options_measures_caches_and_stays_lossless(engine_models, m
     assert not engine.has_unfinished_requests() and engine.metrics.num_steps == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
     assert engine.policy.name == "dsd" and engine.last_outcome is None
+    assert engine.time_stages is False  # it synced between stages only while measuring
     outs = run_to_completion(engine, mixed_prompts[:6], GREEDY)
     assert [outs[str(i)].token_ids for i in range(6)] == reference
 
@@ -102,3 +103,11 @@ def test_a_given_profile_is_not_replaced(engine_models, cache):
     engine = make_engine(target, draft, policy=make_policy("dsd", MAX_GAMMA, profile=given))
     assert engine.policy.profile is given and not cache.exists()
 
+
+
+def test_nightjar_measures_a_profile_for_its_prior_unless_told_not_to(engine_models, cache):
+    target, draft, _ = engine_models
+    engine = make_engine(target, draft, policy=make_policy("nightjar", MAX_GAMMA))
+    assert isinstance(engine.policy.profile, StepProfile) and len(list(cache.glob("*.json"))) == 1
+    plain = make_engine(target, draft, policy=make_policy("nightjar", MAX_GAMMA, prior=False))
+    assert plain.policy.profile is None and not plain.policy.needs_profile

@@ -264,7 +264,7 @@ def test_moves_to_the_new_best_arm_when_rewards_flip():
 
 
 # ----------------------------------------------------------------------------- deviations
-PAPER = {"eliminate": False, "drift": 0.0}  # Algorithm 1 as published
+PAPER = {"eliminate": False, "drift": 0.0, "prior": False}  # Algorithm 1 as published
 # saturation, as measured in the 16 requests/s records (decode-only goodput per γ, tok/s):
 # γ = 0 best by 27-44%, and a γ > 0 step 3-5x longer than a γ = 0 step (SyntheticEnv's step time)
 SATURATION = [1000, 734, 700, 688, 619, 560]
@@ -467,6 +467,9 @@ def test_load_state_dict_rejects_other_arms_and_garbage():
     ({"drift": -0.1}, "drift must be a number >= 0"),
     ({"drift": float("nan")}, "drift must be a number >= 0"),
     ({"confidence_z": 0}, "confidence_z must be a number > 0"),
+    ({"prior": "yes"}, "prior must be true or false"),
+    ({"prior_sd": 0}, "prior_sd must be a number > 0"),
+    ({"alpha0": 1.5}, r"alpha0 must be a number in \[0, 1\]"),
     ({"profile": "/nonexistent/profile.json"}, "cannot read step profile"),
 ])
 def test_bad_options_raise_clear_errors(kwargs, message):
@@ -505,3 +508,76 @@ def test_a_state_saved_before_decode_only_samples_still_loads():
     s = p.context_stats()[4]
     assert s["samples"] == [5, 3, 0] and s["weight"] == [5.0, 3.0, 0.0]
     assert p.greedy_gamma(4) == 0 and _gamma(p, make_view(4, max_gamma=2)) == 2  # explore-first
+
+
+# ----------------------------------------------------------------------------- the prior
+def _steep_profile() -> StepProfile:
+    """Verifying 3+ tokens per sequence costs 10x verifying 1-2: at α = 0.6 the prior goodput of
+    γ >= 2 is under a sixth of γ = 1's (γ = 1 best, γ = 0 second)."""
+    return StepProfile("t", "d", "cpu", "none", batch_sizes=[1, 64], query_lens=[1, 2, 3, 4, 5],
+                       context_lens=[128], catch_up_lens=[1, 64],
+                       target_time=np.tile(np.array([0.01, 0.011, 0.1, 0.1, 0.1])[None, :, None],
+                                           (2, 1, 1)),
+                       draft_time=np.full((2, 1), 1e-4), catch_up_time=np.full((2, 2), 0.0))
+
+
+def test_prior_is_the_profiles_goodput_at_the_learned_acceptance():
+    p = NightjarPolicy(4, profile=synthetic_profile(), alpha0=0.5)
+    assert p.needs_profile and not NightjarPolicy(4, prior=False).needs_profile
+    view = make_view(8, max_gamma=4)
+    times = synthetic_profile().step_times(8, np.arange(5), float(np.mean(view.context_lens)))
+    tokens = np.array([1, 1.5, 1.75, 1.875, 1.9375])
+    np.testing.assert_allclose(p.prior_goodput(view), 8 * tokens / times)
+    # α from judged acceptances: each sequence verified 4 and accepted 3, one rejection each,
+    # so the judged rate is 3/4; alpha0 = 0.5 weighs 8 tokens against them
+    out = make_outcome(view, [4] * 8, [3] * 8)
+    p.observe(out)
+    assert p.alpha == pytest.approx((24 + 0.5 * 8) / (32 + 8))
+    for _ in range(400):
+        p.observe(out)
+    assert p.alpha == pytest.approx(0.75, abs=0.01)
+    # a plain-decoding step says nothing about α
+    before = p.alpha
+    p.observe(make_outcome(view, [0] * 8, [0] * 8))
+    assert p.alpha == before
+    # no profile or prior=false: no prior
+    assert NightjarPolicy(4).prior_goodput(view) is None
+    assert NightjarPolicy(4, prior=False, profile=synthetic_profile()).prior_goodput(view) is None
+
+
+def test_prior_skips_explore_first_and_arms_it_shows_hopeless():
+    """With the prior a fresh context plays only arms that could be best (γ = 0, 1 here) and
+    starts exploiting at the prior's best; without it every arm is played at least once."""
+    for seed in range(5):
+        env = SyntheticEnv(lambda b, g: [900, 1300, 200, 200, 200][g], noise=0.05, seed=seed)
+        p = NightjarPolicy(4, profile=_steep_profile(), seed=seed)
+        played = _drive(p, env, [8] * 300)
+        assert set(played.tolist()) <= {0, 1}, np.bincount(played)
+        assert np.mean(played[-100:] == 1) > 0.9
+        q = NightjarPolicy(4, prior=False, profile=_steep_profile(), seed=seed)
+        assert set(_drive(q, SyntheticEnv(lambda b, g: [900, 1300, 200, 200, 200][g],
+                                          noise=0.05, seed=seed), [8] * 300).tolist()) \
+            == {0, 1, 2, 3, 4}
+
+
+def test_a_sample_replaces_the_prior_so_a_wrong_prior_is_corrected():
+    """The prior favours γ = 1, but γ = 1 really delivers a third of γ = 0: after its first
+    sample the policy settles on γ = 0."""
+    env = SyntheticEnv(lambda b, g: [900, 300, 200, 200, 200][g], noise=0.05, seed=0)
+    p = NightjarPolicy(4, profile=_steep_profile(), seed=0)
+    view = make_view(8, max_gamma=4)
+    assert int(np.argmin(p.scores(view))) == 1  # the prior's choice
+    played = _drive(p, env, [8] * 300)
+    assert np.mean(played[-100:] == 0) > 0.9
+    stats = p.context_stats()[8]
+    assert stats["goodput"][1] == pytest.approx(300, rel=0.2)  # measured, not the prior
+
+
+def test_a_state_saved_before_the_prior_loads_without_acceptance_evidence():
+    p = NightjarPolicy(4, profile=synthetic_profile())
+    p.observe(make_outcome(make_view(2, max_gamma=4), [4, 4], [4, 4]))
+    state = json.loads(json.dumps(p.state_dict()))
+    del state["acceptance"]
+    q = NightjarPolicy(4, profile=synthetic_profile())
+    q.load_state_dict(state)
+    assert q.alpha == pytest.approx(0.6) and p.alpha > 0.6
