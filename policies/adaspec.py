@@ -89,7 +89,7 @@ paper's rule):
   Optimism (``confidence_z``, default 2). A probe is a start, not a cure: 16 tokens drafted
   right after prompts had c̄ = 0.40 (κ·c̄ = 0.62) where the steady value is near 0.85, and from
   there γ = 0 won again and nothing more was seen. The drafter plans with an upper confidence
-  bound, c̄' + z·√(c̄'(1 − c̄')/n) (n = confidences seen, capped at 1), the rule that keeps a
+  bound, min(1, c̄' + z·√(c̄'(1 − c̄')/n)) (n = confidences seen), the rule that keeps a
   bandit from locking on a pessimistic early estimate: while evidence is thin, speculation is
   given the benefit of the doubt and its outcome is observed; with n in the thousands the bound
   is within a percent or two of c̄'. If even the bound says γ = 0, plain decoding is chosen

@@ -11,11 +11,13 @@ goodput of a batch-size bucket shows a speculative γ below plain decoding's wit
 Options are Nightjar's; learned state is saved and loaded like Nightjar's (``--policy-state``),
 under the name ``auto``.
 
-It is not yet the default of `LLM`, `jspec generate` and `jspec serve` (still ``static``): on
-this project's 2-vCPU machine the same policy run twice in one headline run (as `nightjar` and as
-`auto`) delivered 559 and 822 tok/s at saturation, more than the differences being judged, and an adaptive policy
-compiles every γ bucket at start-up (three drafting buckets for Γmax = 4 against static's one).
-The headline's numbers and the plan for deciding are in docs/benchmarks.md.
+It is not yet the default of `LLM`, `jspec generate` and `jspec serve` (still ``static``): on this
+project's 2-vCPU machine the same policy run twice in one headline run (as `nightjar` and as
+`auto`) delivered 559 and 822 tok/s at saturation, more than the differences being judged, and an
+adaptive policy costs start-up time: it compiles every γ bucket (three drafting buckets for Γmax =
+4 against static's one) and, for its priors, measures a step-time profile on first use (about 23 s
+for the built-in pair on that machine, cached afterwards). The headline's numbers are in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
