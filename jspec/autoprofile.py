@@ -19,7 +19,7 @@ included, not the bare forward that `jspec profile` times:
 The grid is the batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (the engine's own row buckets
 sit at the same powers of two), every γ from 0 to Γmax, one context (128 tokens, less when the
 model is short) and catch-up lengths 2 and 8. On the 2-vCPU development machine the built-in
-pair takes about 10 s at max_num_seqs 32, Γmax 5 (docs/benchmarks.md). The cache key is every
+pair takes about 23 s at max_num_seqs 32, Γmax 5 (docs/benchmarks.md). The cache key is every
 input that changes a step's cost: both models' shapes, backend and device kind, the KV dtype,
 and the engine's batch shape options. ``JSPEC_PROFILE_CACHE=off`` measures afresh every time
 without reading or writing the cache.
