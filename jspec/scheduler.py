@@ -203,7 +203,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         config = self.config
         bm = self.block_manager
-        block_size = bm.block_size
         max_model_len = config.max_model_len
         lookahead = config.lookahead_slots
         chunked = config.enable_chunked_prefill
@@ -230,12 +229,10 @@ class Scheduler:
                 if la < 0:
                     la = 0
                 if not bm.allocate(request_id, num_tokens + la):
-                    capacity = bm.num_slots(request_id) + bm.num_free_blocks * block_size
-                    if capacity < num_tokens:
+                    la = self._fit(request_id, num_tokens, la, 0)
+                    if la is None:
                         end = self._preempt_youngest(queue, end, preempted)
                         continue
-                    la = min(la, capacity - num_tokens)
-                    bm.allocate(request_id, num_tokens + la)
                 budget -= 1 + la
                 scheduled.append(ScheduledSeq(seq, 1, True, la, True))
             elif remaining > 1:
@@ -247,13 +244,11 @@ class Scheduler:
                     i += 1
                     continue
                 if not bm.allocate(request_id, num_computed + num_new):
-                    capacity = bm.num_slots(request_id) + bm.num_free_blocks * block_size
-                    fit = capacity - num_computed
-                    if fit < (1 if chunked else num_new):
+                    num_new = self._fit(request_id, num_computed, num_new,
+                                        1 if chunked else num_new)
+                    if num_new is None:
                         end = self._preempt_youngest(queue, end, preempted)
                         continue
-                    num_new = min(num_new, fit)
-                    bm.allocate(request_id, num_computed + num_new)
                 budget -= num_new
                 scheduled.append(ScheduledSeq(seq, num_new, False, 0, num_new == remaining))
             else:
@@ -353,12 +348,11 @@ class Scheduler:
             seq = item.seq
             remaining = seq.num_tokens - seq.num_computed
             extra = min(remaining - item.num_new_tokens, budget)
-            if not bm.allocate(seq.request_id, seq.num_computed + item.num_new_tokens + extra):
-                capacity = bm.num_slots(seq.request_id) + bm.num_free_blocks * bm.block_size
-                extra = min(extra, capacity - seq.num_computed - item.num_new_tokens)
-                if extra <= 0:
+            base = seq.num_computed + item.num_new_tokens
+            if not bm.allocate(seq.request_id, base + extra):
+                extra = self._fit(seq.request_id, base, extra, 1)
+                if extra is None:
                     continue
-                bm.allocate(seq.request_id, seq.num_computed + item.num_new_tokens + extra)
             item.num_new_tokens += extra
             item.samples = item.num_new_tokens == remaining
             budget -= extra
@@ -369,6 +363,17 @@ class Scheduler:
             changed = changed or len(scheduled) > before
         sched.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return changed
+
+    def _fit(self, request_id: str, base: int, want: int, least: int) -> int | None:
+        """After ``allocate(request_id, base + want)`` failed: allocate slots for ``base`` plus
+        as many of ``want`` tokens as the sequence's blocks and the free blocks hold, and return
+        that many; None (nothing allocated) when fewer than ``least`` fit."""
+        bm = self.block_manager
+        got = min(want, bm.num_slots(request_id) + bm.num_free_blocks * bm.block_size - base)
+        if got < least:
+            return None
+        bm.allocate(request_id, base + got)
+        return got
 
     def _preempt_youngest(self, queue: list[Sequence], end: int,
                           preempted: list[Sequence]) -> int:

@@ -269,7 +269,8 @@ class NightjarPolicy(Policy):
             self._pending = {"context": key, "gamma": 0, "forced": True}
             return DraftPlan(gammas=np.zeros(n, np.int32))
         ctx = self._context(key)
-        prior = self.prior_goodput(view)
+        # the prior only judges arms without a sample: once every arm has one, skip its lookups
+        prior = self.prior_goodput(view) if 0 in ctx.samples else None
         if ctx.mode is None:  # τ_B = 1: bin initialization (lines 6-8)
             explore = self._rng.random() < 1.0 / math.sqrt(ctx.b)
             ctx.mode = EXPLORE if explore else EXPLOIT
@@ -300,13 +301,14 @@ class NightjarPolicy(Policy):
 
     def _scores(self, ctx: _Context, view: BatchView, prior: np.ndarray | None) -> np.ndarray:
         g = np.asarray(ctx.goodput, np.float64)
-        samples = np.asarray(ctx.samples)
+        sampled = np.asarray(ctx.samples) > 0
         if prior is not None:  # an arm without a sample is scored by its prior
-            g = np.where(samples > 0, g, prior)
-            samples = np.ones_like(samples)
-        visited = (samples > 0) & (g > 0)
+            g = np.where(sampled, g, prior)
+            known = g > 0
+        else:
+            known = sampled & (g > 0)
         scores = np.full(len(g), np.inf)
-        scores[visited] = 1.0 / g[visited]
+        scores[known] = 1.0 / g[known]
         if self.switching_cost and self._prev_gamma == 0 and self.max_gamma > 0:
             arms = np.arange(1, self.max_gamma + 1)
             scores[1:] += self.c_prefill(view) / arms
