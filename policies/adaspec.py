@@ -119,8 +119,8 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import (BatchView, DraftPlan, DraftStats, Policy, StepOutcome, option_bool,
-                           option_number)
+from policies.base import (BatchView, DraftPlan, DraftStats, Policy, StepOutcome, judged_rows,
+                           option_bool, option_number)
 from policies.profile import StepProfile, load_profile
 
 _KAPPA_PSEUDO = 4.0  # judged tokens of evidence the calibration prior κ = 1 is worth
@@ -352,11 +352,9 @@ class AdaSpecPolicy(Policy):
         self.conf_sum += float(seen.sum())
         self.conf_count += int(seen.size)
         self.num_steps += 1
-        # judged positions: the accepted prefix and the first rejection (policies.base
-        # .judged_acceptance), of the rows whose confidences were all recorded
-        verified = np.asarray(outcome.num_verified, np.int64)
-        accepted = np.minimum(np.asarray(outcome.num_accepted, np.int64), verified)
-        judged = np.minimum(accepted + 1, verified)
+        # judged positions (policies.base.judged_rows) of the rows whose confidences were all
+        # recorded
+        accepted, judged = judged_rows(outcome)
         mask = np.arange(conf.shape[1])[None, :] < judged[:, None]
         rows = (judged > 0) & ~np.any(mask & np.isnan(conf), axis=1)
         if rows.any():

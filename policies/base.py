@@ -154,16 +154,22 @@ def expected_tokens(alpha: float, gammas) -> np.ndarray:
     return powers[gammas]
 
 
-def judged_acceptance(outcome: "StepOutcome") -> tuple[int, int]:
-    """(accepted, judged) draft tokens of a step, the sufficient statistics of the per-token
-    acceptance rate α under the geometric model: judged = accepted + one rejection per sequence
-    that accepted fewer tokens than it verified. Tokens behind a rejection are discarded unjudged
-    and say nothing about α, so accepted / judged has expectation exactly α (counting them, as
-    accepted / verified does, reads α = 0.8 at γ = 4 as 0.59)."""
+def judged_rows(outcome: "StepOutcome") -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence of a step, (accepted, judged) draft tokens: judged = the accepted prefix plus
+    the first rejection, if the sequence had one (accepted < verified). The tokens behind a
+    rejection are discarded unjudged and say nothing about the acceptance rate."""
     verified = np.asarray(outcome.num_verified, np.int64)
     accepted = np.minimum(np.asarray(outcome.num_accepted, np.int64), verified)
-    total = int(accepted.sum())
-    return total, total + int(np.count_nonzero(accepted < verified))
+    return accepted, np.minimum(accepted + 1, verified)
+
+
+def judged_acceptance(outcome: "StepOutcome") -> tuple[int, int]:
+    """(accepted, judged) draft tokens of a step (``judged_rows`` summed), the sufficient
+    statistics of the per-token acceptance rate α under the geometric model: accepted / judged
+    has expectation exactly α (counting the unjudged tail, as accepted / verified does, reads
+    α = 0.8 at γ = 4 as 0.59)."""
+    accepted, judged = judged_rows(outcome)
+    return int(accepted.sum()), int(judged.sum())
 
 
 class Policy(abc.ABC):
