@@ -399,6 +399,9 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
     }
     if not args.no_requests:
         result["steps"] = recorder.steps.as_dict()
+        if warm:  # what the policy learned from before the measured run
+            result["warmup_steps"] = warm_recorder.steps.as_dict()
+        result["policy_state"] = engine.policy.state_dict()  # what it knows at the end
         result["requests"] = [r.as_dict() for r in records]
     return result
 
