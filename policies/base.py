@@ -123,6 +123,25 @@ class StepOutcome:
         """Tokens produced by decoding sequences per second of step time."""
         return float(self.num_emitted.sum()) / self.step_time if self.step_time > 0 else 0.0
 
+    @property
+    def decode_time(self) -> float:
+        """The step time less the share of it that the step's prefill chunks took: the target's
+        part of the step (all but the draft loop and its catch-up, which serve decoding alone) is
+        split between decode and prefill in proportion to their target tokens (``num_tokens``,
+        drafts included). A first-order model: at load the forward's cost grows with its tokens,
+        and a prompt's tokens must be computed whatever γ the decoding rows play."""
+        if self.num_prefill_tokens <= 0 or self.num_tokens <= self.num_prefill_tokens:
+            return self.step_time
+        target = max(self.step_time - self.draft_time - self.catch_up_time, 0.0)
+        return self.step_time - target * self.num_prefill_tokens / self.num_tokens
+
+    @property
+    def decode_goodput(self) -> float:
+        """Tokens produced by decoding sequences per second of ``decode_time``: ``goodput`` with
+        the prefill chunks' share of the step taken out."""
+        t = self.decode_time
+        return float(self.num_emitted.sum()) / t if t > 0 else 0.0
+
 
 def option_bool(policy: str, key: str, value: Any) -> bool:
     """A true/false policy option, or a clear error naming it."""

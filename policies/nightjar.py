@@ -2,9 +2,10 @@
 (papers/nightjar.txt §4.2, Algorithm 1 and Eq. (3); papers.md "Nightjar").
 
 Arms are γ ∈ {0..Γmax}; γ = 0 is plain decoding. Every sequence of a step drafts the same γ (the
-arm). The reward of a step is its realized goodput, ``StepOutcome.goodput`` = emitted tokens /
-step wall time, where the step time includes the draft's catch-up, so a switch from γ = 0 back to
-speculation pays for itself in the reward as well as in Eq. (3).
+arm). The paper's reward of a step is its realized goodput, ``StepOutcome.goodput`` = emitted
+tokens / step wall time (we take the prefill chunks' share out of the time, see "Deviations"),
+where the step time includes the draft's catch-up, so a switch from γ = 0 back to speculation
+pays for itself in the reward as well as in Eq. (3).
 
 Per context B the policy keeps Algorithm 1's counters (j_B, H_B, b_B, τ_B), all starting at 1,
 and per (B, γ) a play count and the estimated goodput g̃_{B,γ}. At the first step of a bin
@@ -19,20 +20,25 @@ After each step τ_B += 1; τ_B > √H_B ends the bin (b_B += 1, τ_B = 1); b_B 
 exact because H_B is an integer. Eq. (3) mixes units (1/g̃ is seconds per token, c_prefill/γ
 seconds per drafted token); we keep it exactly as the paper writes it.
 
-Deviations from Algorithm 1, each an option (``eliminate=false, drift=0, prior=false`` is the
-algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
+Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0,
+prior=false`` is the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
 saturation", "Adaptation under load, round 2"):
 
-- ``decode_only_reward`` (default off): a step that carries prefill tokens does not update g̃
-  (it still counts as a play and advances the counters). Such a step's time is mostly its
-  prefill chunk's, and in the 16 requests/s records γ = 0 steps with prefill scored 290 tok/s
-  against 600-690 for γ = 3-4 steps with prefill, while among decode-only steps the order was
-  the reverse. But part of that gap is real, not confounding: a speculative step's verify tokens
-  are padded to a compiled token bucket and a prefill chunk rides in the padding (γ = 5 steps at
-  B ≈ 30 took 181 ms with a prefill chunk and 223 ms without), and at saturation long
-  speculative steps nearly always carry an arrival, so decode-only samples of those arms are
-  rare and they stay unknown, hence explored. Measured both ways, neither reward was better
-  beyond the run-to-run noise, so the published reward stays the default.
+- ``reward`` (default ``decode_share``): the reward of a step is its *decode* goodput,
+  ``StepOutcome.decode_goodput`` = emitted tokens / (step time less the share of the target's
+  time that the step's prefill chunks took, in proportion to their target tokens). The paper's
+  reward (``reward=step``) charges a step's whole time to its decoding rows, and at saturation
+  that poisons the arm that matters: a γ = 0 step that admits a prompt takes 4-5× a decode-only
+  one (111 ms against 23 ms at B ≈ 29, 16 requests/s), while a γ = 4 step hides its prefill chunk
+  among its verify tokens (196 against 158 ms). Once γ = 0's first sample in the B = 32 context
+  came from such a step, the published reward never played it there again and Nightjar
+  decoded at γ = 4-5 for the whole run, delivering 0.73× of ``off`` although γ = 0's decode-only
+  goodput was 1.7× γ = 4's. A prompt's tokens must be computed whatever γ the decoding rows
+  play, so they are taken out of the reward rather than charged to the arm that happened to
+  carry them. ``reward=decode_only`` (formerly ``decode_only_reward=true``) keeps steps with
+  prefill out of g̃ altogether (they still count as plays and advance the counters); it was
+  not better than the published reward beyond noise, because at saturation most speculative
+  steps carry an arrival and their arms are then rarely sampled.
 - ``eliminate`` (default on): an exploration bin draws its arm uniformly among the *plausible*
   arms only, those with fewer than two samples or whose upper confidence bound g̃ + z·sd reaches
   the best arm's lower bound (z = ``confidence_z``, default 2), and a bin whose arm stops being
@@ -122,6 +128,7 @@ from policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_buck
 from policies.profile import StepProfile, load_profile
 
 EXPLORE, EXPLOIT = "explore", "exploit"
+REWARDS = ("decode_share", "step", "decode_only")  # the ``reward`` option's values
 _CATCH_UP_DECAY = 0.95  # weight of older catch-up observations, per new one
 _MIN_REL_SD = 0.02  # floor of a reward's standard deviation, relative to its mean
 _WINDOW = 100  # most samples an arm's mean averages (beyond: an exponential average)
@@ -225,15 +232,24 @@ class NightjarPolicy(Policy):
 
     def __init__(self, max_gamma: int = 4, profile: "str | os.PathLike | StepProfile | None" = None,
                  seed: int = 0, switching_cost: bool = True,
-                 eliminate: bool = True, decode_only_reward: bool = False,
+                 eliminate: bool = True, reward: str = "decode_share",
+                 decode_only_reward: bool | None = None,
                  confidence_z: float = 2.0, drift: float = 0.1, prior: bool = True,
                  prior_sd: float = 0.3, alpha0: float = 0.6):
         super().__init__(max_gamma)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{self.name} option seed must be an integer >= 0, got {seed!r}")
         for key, value in (("switching_cost", switching_cost), ("eliminate", eliminate),
-                           ("decode_only_reward", decode_only_reward), ("prior", prior)):
+                           ("prior", prior)):
             option_bool(self.name, key, value)
+        if decode_only_reward is not None:  # the option's earlier spelling
+            option_bool(self.name, "decode_only_reward", decode_only_reward)
+            if reward != "decode_share":
+                raise ValueError(f"{self.name}: give reward or decode_only_reward, not both")
+            reward = "decode_only" if decode_only_reward else "step"
+        if reward not in REWARDS:
+            raise ValueError(f"{self.name} option reward must be one of {', '.join(REWARDS)}, "
+                             f"got {reward!r}")
         confidence_z = option_number(self.name, "confidence_z", confidence_z, low_open=True)
         drift = option_number(self.name, "drift", drift)
         prior_sd = option_number(self.name, "prior_sd", prior_sd, low_open=True)
@@ -242,7 +258,7 @@ class NightjarPolicy(Policy):
         self.profile = load_profile(self.name, profile)
         self.switching_cost = switching_cost
         self.eliminate = eliminate
-        self.decode_only_reward = decode_only_reward
+        self.reward = reward
         self.confidence_z = float(confidence_z)
         self.drift = float(drift)
         self.prior = prior
@@ -373,7 +389,9 @@ class NightjarPolicy(Policy):
         ctx = self._context(decision["context"])
         arm = decision["gamma"]
         ctx.counts[arm] += 1
-        if not (self.decode_only_reward and outcome.num_prefill_tokens > 0):
+        if self.reward == "decode_share":
+            ctx.record(arm, outcome.decode_goodput, self.drift)
+        elif self.reward == "step" or outcome.num_prefill_tokens == 0:
             ctx.record(arm, outcome.goodput, self.drift)
         if not decision["forced"]:
             ctx.advance()

@@ -53,6 +53,7 @@ def make_outcome(view: BatchView, gammas, num_accepted, *, step_time: float = 0.
         verify_time=max(step_time - draft_time - catch_up_time, 0.0),
         catch_up_time=catch_up_time, catch_up_tokens=catch_up_tokens,
         num_prefill_tokens=view.num_prefill_tokens, accept_prob=signal(accept_prob),
+        num_tokens=int((1 + verified).sum()) + view.num_prefill_tokens,
         kl=signal(kl), draft_entropy=signal(draft_entropy), confidence=signal(confidence))
 
 

@@ -297,7 +297,7 @@ def _throughput(policy, env, steps, batch=32, skip=0):
     return tokens / seconds, np.array(played)
 
 
-def test_prefill_steps_count_as_plays_but_not_as_samples():
+def test_rewards_of_steps_that_carry_prefill():
     decode = make_view(4, batch_size=4)
     mixed = make_view(4, batch_size=4, num_prefill_tokens=100)
 
@@ -306,16 +306,41 @@ def test_prefill_steps_count_as_plays_but_not_as_samples():
         for view, gamma, step_time in ((decode, 0, 0.01), (mixed, 1, 0.1)):
             assert p.plan(view).gammas.size == 4
             p._pending["gamma"] = gamma  # play this arm (the bin's own draw is random)
-            p.observe(make_outcome(view, [gamma] * 4, [gamma] * 4, step_time=step_time))
+            p.observe(make_outcome(view, [gamma] * 4, [gamma] * 4, step_time=step_time,
+                                   draft_time=0.01 * gamma))
         return p, p.context_stats()[4]
 
-    p, s = run(decode_only_reward=True)
-    assert s["counts"] == [1, 1, 0] and s["samples"] == [1, 0, 0]
-    assert s["goodput"] == [pytest.approx(400.0), 0.0, 0.0]
-    assert p.scores(decode)[1] == np.inf  # no decode-only sample of γ = 1 yet
+    # default: the mixed step's 8 tokens over its decode share of the time: the 0.01 s draft
+    # loop plus 8 of the target's 108 tokens' worth of the other 0.09 s
+    p, s = run()
+    assert p.reward == "decode_share"
+    assert s["counts"] == [1, 1, 0] and s["samples"] == [1, 1, 0]
+    assert s["goodput"] == [pytest.approx(400.0),
+                            pytest.approx(8 / (0.01 + 0.09 * 8 / 108)), 0.0]
     assert s["tau"] + s["b"] + s["j"] > 3  # both steps advanced Algorithm 1's counters
-    _, s = run()  # the published reward (the default) averages both kinds of step
+    _, s = run(reward="step")  # the published reward: the whole step time
     assert s["samples"] == [1, 1, 0] and s["goodput"][1] == pytest.approx(80.0)
+    for options in ({"reward": "decode_only"}, {"decode_only_reward": True}):
+        p, s = run(**options)  # a step with prefill is a play but not a sample
+        assert s["counts"] == [1, 1, 0] and s["samples"] == [1, 0, 0]
+        assert s["goodput"] == [pytest.approx(400.0), 0.0, 0.0]
+        assert p.scores(decode)[1] == np.inf  # no decode-only sample of γ = 1 yet
+    assert run(decode_only_reward=False)[0].reward == "step"  # the old spelling's default
+
+
+def test_decode_time_takes_out_the_prefill_share_of_the_target_time():
+    decode = make_view(2, batch_size=2)
+    mixed = make_view(2, batch_size=2, num_prefill_tokens=60)
+    o = make_outcome(decode, [3, 3], [3, 1], step_time=0.05, draft_time=0.02)
+    assert o.decode_time == o.step_time and o.decode_goodput == o.goodput == 6 / 0.05
+    o = make_outcome(mixed, [3, 3], [3, 1], step_time=0.05, draft_time=0.02,
+                     catch_up_time=0.01, catch_up_tokens=4)
+    assert o.num_tokens == 8 + 60
+    # the draft loop and its catch-up are decoding's; the other 0.02 s split 8 : 60
+    assert o.decode_time == pytest.approx(0.03 + 0.02 * 8 / 68)
+    assert o.decode_goodput == pytest.approx(6 / o.decode_time) and o.goodput == 6 / 0.05
+    o.num_tokens = 0  # an outcome that does not say its tokens: the whole step
+    assert o.decode_time == o.step_time
 
 
 def test_drift_zero_is_the_cumulative_moving_average():
@@ -464,6 +489,8 @@ def test_load_state_dict_rejects_other_arms_and_garbage():
     ({"profile": 3}, "profile must be a path"),
     ({"eliminate": 1}, "eliminate must be true or false"),
     ({"decode_only_reward": "no"}, "decode_only_reward must be true or false"),
+    ({"reward": "goodput"}, "reward must be one of decode_share, step, decode_only"),
+    ({"reward": "step", "decode_only_reward": True}, "not both"),
     ({"drift": -0.1}, "drift must be a number >= 0"),
     ({"drift": float("nan")}, "drift must be a number >= 0"),
     ({"confidence_z": 0}, "confidence_z must be a number > 0"),
@@ -490,7 +517,7 @@ def test_auto_is_nightjar_under_its_own_name():
 
     p = make_policy("auto", 4)
     assert isinstance(p, AutoPolicy) and isinstance(p, NightjarPolicy)
-    assert (p.eliminate, p.decode_only_reward, p.drift) == (True, False, 0.1)
+    assert (p.eliminate, p.reward, p.drift) == (True, "decode_share", 0.1)
     state = p.state_dict()
     assert state["policy"] == "auto"
     with pytest.raises(ValueError, match="belongs to policy 'auto', not 'nightjar'"):
