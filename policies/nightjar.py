@@ -20,25 +20,25 @@ After each step τ_B += 1; τ_B > √H_B ends the bin (b_B += 1, τ_B = 1); b_B 
 exact because H_B is an integer. Eq. (3) mixes units (1/g̃ is seconds per token, c_prefill/γ
 seconds per drafted token); we keep it exactly as the paper writes it.
 
-Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0,
-prior=false`` is the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
-saturation", "Adaptation under load, round 2"):
+Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0, prior=false``
+is the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the
+wrong arm at saturation", "Adaptation under load", rounds 2-4):
 
 - ``reward`` (default ``decode_share``): the reward of a step is its *decode* goodput,
-  ``StepOutcome.decode_goodput`` = emitted tokens / (step time less the share of the target's
-  time that the step's prefill chunks took, in proportion to their target tokens). The paper's
-  reward (``reward=step``) charges a step's whole time to its decoding rows, and at saturation
-  that poisons the arm that matters: a γ = 0 step that admits a prompt takes 4-5× a decode-only
-  one (111 ms against 23 ms at B ≈ 29, 16 requests/s), while a γ = 4 step hides its prefill chunk
-  among its verify tokens (196 against 158 ms). Once γ = 0's first sample in the B = 32 context
-  came from such a step, the published reward never played it there again and Nightjar
-  decoded at γ = 4-5 for the whole run, delivering 0.73× of ``off`` although γ = 0's decode-only
-  goodput was 1.7× γ = 4's. A prompt's tokens must be computed whatever γ the decoding rows
-  play, so they are taken out of the reward rather than charged to the arm that happened to
-  carry them. ``reward=decode_only`` (formerly ``decode_only_reward=true``) keeps steps with
-  prefill out of g̃ altogether (they still count as plays and advance the counters); it was
-  not better than the published reward beyond noise, because at saturation most speculative
-  steps carry an arrival and their arms are then rarely sampled.
+  ``StepOutcome.decode_goodput`` = emitted tokens / (step time less the share of the target's time
+  that the step's prefill chunks took, in proportion to their target tokens). The paper's reward
+  (``reward=step``) charges a step's whole time to its decoding rows, and at saturation that poisons
+  the arm that matters: a γ = 0 step that admits a prompt takes 4-5× a decode-only one (111 ms
+  against 23 ms at B ≈ 29, 16 requests/s), while a γ = 4 step hides its prefill chunk among its
+  verify tokens (196 against 158 ms). With the published reward, γ = 0 was played twice in the B =
+  32 context of each run, scored 104-113 tok/s, and never again: Nightjar decoded at γ = 3-5 there,
+  down to 0.73× of ``off`` although γ = 0's decode-only goodput was 1.7× γ = 4's. With this reward
+  it plays γ = 0 there (g̃ 830-920 tok/s, mean γ 0.06-2). A prompt's tokens must be computed
+  whatever γ the decoding rows play, so they are taken out of the reward rather than charged to the
+  arm that happened to carry them. ``reward=decode_only`` (formerly ``decode_only_reward=true``)
+  keeps steps with prefill out of g̃ altogether (they still count as plays and advance the
+  counters); it was not better than the published reward beyond noise, because at saturation most
+  speculative steps carry an arrival and their arms are then rarely sampled.
 - ``eliminate`` (default on): an exploration bin draws its arm uniformly among the *plausible*
   arms only, those with fewer than two samples or whose upper confidence bound g̃ + z·sd reaches
   the best arm's lower bound (z = ``confidence_z``, default 2), and a bin whose arm stops being
