@@ -554,6 +554,8 @@ def test_headline_goal_checks_and_report():
             assert parsed.policy == ["off", "nightjar"] and parsed.seed == 2
             if load != "trace":  # (the trace needs ../shared/data; tested where it is found)
                 assert len(serving.build_arrivals(parsed)) >= 8
+    ns.rounds = 3  # `jspec bench headline --rounds 3` passes it on
+    assert parser.parse_args(serving_args("real", "low", ns)).rounds == 3
     # the loads that change are judged like the trace
     assert [g for g, _, _ in goal_checks("step", trace)] == [g for g, _, _ in checks]
 
@@ -581,6 +583,45 @@ def test_serving_warmup_requests(tiny_pair, tmp_path):
         assert run["engine_metrics"]["num_generated_tokens"] == 4 * 5
         assert len(run["steps"]["time"]) == run["metrics"]["num_engine_steps"]
     assert nightjar["warmup_s"] > 0
+    # what the policy learned, and from which steps, are in the records
+    assert nightjar["policy_state"]["policy"] == "nightjar" and "warmup_steps" not in off
+    # (decode emissions: each request's first token comes from its prefill)
+    assert sum(nightjar["warmup_steps"]["num_emitted"]) == 3 * (5 - 1)
     from jspec.cli import main
 
     assert main(["bench", "serving", "--warmup-requests", "-1"]) == 2
+
+
+def test_serving_rounds_palindrome_and_means(tiny_pair, tmp_path, capsys):
+    """--rounds 2: the policies run A B, then B A; the comparison is on the means."""
+    from jspec.bench import headline, serving
+
+    target, draft = tiny_pair
+    out = tmp_path / "rounds.json"
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    args = parser.parse_args([
+        "--target", str(target), "--draft", str(draft), *llm_cli_args(),
+        "--policy", "off", "static", "--arrivals", "poisson", "--rate", "50",
+        "--num-requests", "3", "--max-tokens", "4", "--rounds", "2", "--no-requests",
+        "--out", str(out), "--no-progress"])
+    assert serving.run(args) == 0
+    res = json.loads(out.read_text())
+    assert [(r["label"], r["round"]) for r in res["runs"]] == [
+        ("off r1", 1), ("static r1", 1), ("static r2", 2), ("off r2", 2)]
+    assert res["rounds"] == 2 and [r["label"] for r in res["summary"]] == ["off", "static"]
+    for row in res["summary"]:
+        mine = [r for r in res["runs"] if r["policy_label"] == row["label"]]
+        tps = [r["metrics"]["output_tokens_per_s"] for r in mine]
+        assert row["output_tokens_per_s_by_round"] == tps
+        assert row["metrics"]["output_tokens_per_s"] == pytest.approx(sum(tps) / 2)
+        assert row["metrics"]["tpot_s"]["p90"] == pytest.approx(
+            sum(r["metrics"]["tpot_s"]["p90"] for r in mine) / 2)
+        assert row["metrics"]["num_finished"] == 3
+    assert [c["label"] for c in res["comparison"]] == ["off", "static"]
+    assert max(c["vs_best_fixed"] for c in res["comparison"]) == 1.0
+    assert "means over 2 rounds" in capsys.readouterr().out
+    # the headline judges a load by its means
+    assert set(headline._runs(res)) == {"off", "static"}
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        serving.run(parser.parse_args(["--rounds", "0"]))

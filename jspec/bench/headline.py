@@ -98,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", default=",".join(LOADS),
                    help=f"comma-separated subset of {', '.join(LOADS)}")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), metavar="NAME[:K=V]")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run every load's policies N times in palindromic order and judge the "
+                        "goals on the means (`jspec bench serving --rounds`)")
     p.add_argument("--extra", default="", metavar="ARGS",
                    help="more `jspec bench serving` arguments for every load (quoted), e.g. "
                         "'--seed 1 --max-tokens 96'")
@@ -120,6 +123,8 @@ def serving_args(mode: str, load: str, args: argparse.Namespace) -> list[str]:
         argv += ["--synthetic", args.synthetic]
     if args.synthetic_acceptance:
         argv += ["--synthetic-acceptance", args.synthetic_acceptance]
+    if getattr(args, "rounds", 1) > 1:
+        argv += ["--rounds", str(args.rounds)]
     argv += shlex.split(args.extra)
     return argv
 
@@ -170,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- the report
 def _runs(res: dict) -> dict[str, dict]:
-    return {r["label"]: r for r in res["runs"]}
+    from jspec.bench.serving import policy_rows
+
+    return {r["label"]: r for r in policy_rows(res)}
 
 
 def _tps(run: dict) -> float:
@@ -229,9 +236,9 @@ def headline_report(results: dict[str, dict], commands: dict[str, str]) -> str:
     first = next(iter(results.values()))
     labels: list[str] = []
     for res in results.values():
-        for r in res["runs"]:
-            if r["label"] not in labels:
-                labels.append(r["label"])
+        for label in _runs(res):
+            if label not in labels:
+                labels.append(label)
     lines = []
     syn = first.get("synthetic")
     if syn:

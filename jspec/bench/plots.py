@@ -145,9 +145,11 @@ def plot_summary(results_list: list[dict], path: str) -> str:
 
     plt = require_matplotlib()
     loads = [r["arrivals"]["label"] for r in results_list]
+    from jspec.bench.serving import policy_rows
+
     labels: list[str] = []
     for r in results_list:
-        for run in r["runs"]:
+        for run in policy_rows(r):
             if run["label"] not in labels:
                 labels.append(run["label"])
 
@@ -166,7 +168,7 @@ def plot_summary(results_list: list[dict], path: str) -> str:
         for j, label in enumerate(labels):
             values = []
             for r in results_list:
-                run = next((u for u in r["runs"] if u["label"] == label), None)
+                run = next((u for u in policy_rows(r) if u["label"] == label), None)
                 v = get(r, run) if run is not None else None
                 values.append(np.nan if v is None else v * scale)
             ax.bar(x + (j - (len(labels) - 1) / 2) * width, values, width, label=label)

@@ -81,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--policy", nargs="+", default=["static"], metavar="NAME[:K=V,...]",
                      help="policies to run one after another on the same requests, e.g. "
                           "off static:gamma=2 nightjar (default: static)")
+    pol.add_argument("--rounds", type=int, default=1, metavar="N",
+                     help="run the policy list N times, every other round in reverse order "
+                          "(A B C C B A ...), and compare the policies on their means over "
+                          "the rounds: on a machine whose speed drifts, a single run per "
+                          "policy does not separate them (default: %(default)s)")
     pol.add_argument("--policy-option", action="append", default=[],
                      metavar="[NAME.]KEY=VALUE",
                      help="policy option for every policy but off, or for NAME only; "
@@ -407,6 +412,37 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
 
 
 # ----------------------------------------------------------------------------- reporting
+def _mean_tree(trees: list):
+    """The element-wise mean of equally shaped metric dicts (numbers averaged over the values
+    that are not None, None where all are; non-numeric leaves from the first)."""
+    first = trees[0]
+    if isinstance(first, dict):
+        return {k: _mean_tree([t.get(k) for t in trees]) for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool) or first is None:
+        vals = [t for t in trees if isinstance(t, (int, float)) and not isinstance(t, bool)]
+        return sum(vals) / len(vals) if vals else None
+    return first
+
+
+def summarize_rounds(runs: list[dict]) -> list[dict]:
+    """One row per policy over its rounds (``--rounds``): metrics averaged, and the per-round
+    throughput and p90 TPOT kept, in the order the policies were first run."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(r.get("policy_label", r["label"]), []).append(r)
+    return [{"label": label, "policy": rs[0]["policy"], "rounds": len(rs),
+             "metrics": _mean_tree([r["metrics"] for r in rs]),
+             "output_tokens_per_s_by_round": [r["metrics"]["output_tokens_per_s"] for r in rs],
+             "tpot_p90_s_by_round": [r["metrics"]["tpot_s"]["p90"] for r in rs]}
+            for label, rs in groups.items()]
+
+
+def policy_rows(results: dict) -> list[dict]:
+    """A results file's one row per policy: the means over rounds when it has several, else
+    its runs."""
+    return results.get("summary") or results["runs"]
+
+
 def comparison(runs: list[dict]) -> list[dict]:
     """Per run: throughput relative to the first run and to the best fixed choice (off /
     static) of the same invocation, p90 TPOT relative to that best fixed run's."""
@@ -498,6 +534,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.warmup_requests < 0:
         raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     for name in ("tpot_slo_ms", "ttft_slo_ms", "bin_seconds"):
@@ -555,7 +593,11 @@ def run(args: argparse.Namespace) -> int:
           f"policies: {', '.join(p['label'] for p in policies)}", file=sys.stderr)
 
     runs = []
-    for i, policy in enumerate(policies):
+    # palindromic rounds: a drift of the machine's speed that is linear in time cancels in the
+    # means over rounds 1 and 2
+    order = [(rnd, policy) for rnd in range(1, args.rounds + 1)
+             for policy in (policies if rnd % 2 else policies[::-1])]
+    for i, (rnd, policy) in enumerate(order):
         engine = None
         if i == 0:
             t = time.perf_counter()
@@ -565,9 +607,13 @@ def run(args: argparse.Namespace) -> int:
         result = run_policy(policy, args, engine_kwargs, requests, engine=engine)
         if i == 0:
             result["compile_s"] = compile_s
+        result["round"] = rnd
+        if args.rounds > 1:
+            result["label"] = f"{policy['label']} r{rnd}"
+            result["policy_label"] = policy["label"]
         runs.append(result)
         m = result["metrics"]
-        print(f"{policy['label']}: {m['output_tokens_per_s']:.1f} tok/s, "
+        print(f"{result['label']}: {m['output_tokens_per_s']:.1f} tok/s, "
               f"TPOT p90 {_fmt(m['tpot_s']['p90'], '.2f', 1e3)} ms, "
               f"acceptance {m['acceptance_rate']:.3f} (compiled in {result['compile_s']:.1f} s, "
               f"ran {result['wall_s']:.1f} s, send lag p99 "
@@ -579,10 +625,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: under {policy['label']} the driver sent requests late (p99 "
                   f"{lag * 1e3:.0f} ms after their arrival time; counted in their latency)",
                   file=sys.stderr)
-    rows = comparison(runs)
+    summary = summarize_rounds(runs) if args.rounds > 1 else None
+    rows = comparison(summary or runs)
     if synthetic is not None:
         print(synthetic_banner(args, synthetic))
-    print(format_table(runs, rows))
+    if summary is None:
+        print(format_table(runs, rows))
+    else:
+        print(format_table(runs, comparison(runs)))
+        print(f"\nmeans over {args.rounds} rounds (policy order reversed every other round):")
+        print(format_table(summary, rows))
+        for row in summary:
+            print(f"  {row['label']}: tok/s by round "
+                  + ", ".join(f"{x:.1f}" for x in row["output_tokens_per_s_by_round"]))
 
     results = {
         "format": FORMAT,
@@ -609,9 +664,12 @@ def run(args: argparse.Namespace) -> int:
         "slo": {"tpot_s": args.tpot_slo_ms / 1e3,
                 "ttft_s": args.ttft_slo_ms / 1e3 if args.ttft_slo_ms is not None else None},
         "bin_seconds": args.bin_seconds_resolved,
+        "rounds": args.rounds,
         "runs": runs,
         "comparison": rows,
     }
+    if summary is not None:
+        results["summary"] = summary
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
