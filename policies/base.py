@@ -118,10 +118,13 @@ class StepOutcome:
     def num_decode(self) -> int:
         return len(self.request_ids)
 
+    def _emitted_per_second(self, seconds: float) -> float:
+        return float(self.num_emitted.sum()) / seconds if seconds > 0 else 0.0
+
     @property
     def goodput(self) -> float:
         """Tokens produced by decoding sequences per second of step time."""
-        return float(self.num_emitted.sum()) / self.step_time if self.step_time > 0 else 0.0
+        return self._emitted_per_second(self.step_time)
 
     @property
     def decode_time(self) -> float:
@@ -139,8 +142,7 @@ class StepOutcome:
     def decode_goodput(self) -> float:
         """Tokens produced by decoding sequences per second of ``decode_time``: ``goodput`` with
         the prefill chunks' share of the step taken out."""
-        t = self.decode_time
-        return float(self.num_emitted.sum()) / t if t > 0 else 0.0
+        return self._emitted_per_second(self.decode_time)
 
 
 def option_bool(policy: str, key: str, value: Any) -> bool:
