@@ -126,6 +126,24 @@ def llm_cli_args() -> list[str]:
     return args
 
 
+def parse_serving_args(*argv: str):
+    """`jspec bench serving`'s command line, parsed."""
+    import argparse
+
+    from jspec.bench import serving
+
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def tiny_serving_args(tiny_pair, *argv: str):
+    """`jspec bench serving` arguments for the tiny pair with the LLM_KW engine shapes."""
+    target, draft = tiny_pair
+    return parse_serving_args("--target", str(target), "--draft", str(draft), *llm_cli_args(),
+                              *argv)
+
+
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_pair):
     """One LLM over the tiny pair, shared by the API tests (it holds no state between calls)."""

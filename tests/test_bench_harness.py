@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import llm_cli_args
+from conftest import parse_serving_args, tiny_serving_args
 from jspec.bench import arrivals as A
 from jspec.bench import workloads as W
 from jspec.bench.serving_metrics import (RequestRecord, StepRecords, compute_metrics,
@@ -209,10 +209,8 @@ def test_trace_option_takes_any_azure_format_csv(tmp_path, monkeypatch):
     shipped names; a name that is neither fails with what is accepted."""
     from jspec.bench import serving
 
-    parser = argparse.ArgumentParser()
-    serving.add_arguments(parser)
     own = write(tmp_path / "kept_back.csv", HAND)
-    args = parser.parse_args(["--arrivals", "trace", "--trace", str(own), "--time-scale", "2"])
+    args = parse_serving_args("--arrivals", "trace", "--trace", str(own), "--time-scale", "2")
     arrivals = serving.build_arrivals(args)
     np.testing.assert_allclose(arrivals.times, [0.0, 4e-7, 5.0000002])
     assert arrivals.context_tokens.tolist() == [100, 200, 300]
@@ -221,8 +219,8 @@ def test_trace_option_takes_any_azure_format_csv(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="shipped trace .*code, conv"):
         A.trace_path("azure-2024")
     with pytest.raises(ValueError, match="not found"):
-        serving.build_arrivals(parser.parse_args(["--arrivals", "trace", "--trace",
-                                                  str(tmp_path / "missing.csv")]))
+        serving.build_arrivals(parse_serving_args("--arrivals", "trace", "--trace",
+                                                  str(tmp_path / "missing.csv")))
 
 
 # ----------------------------------------------------------------------------- metric math
@@ -422,15 +420,11 @@ def serving_run(tiny_pair, tmp_path_factory):
     """One tiny `jspec bench serving` run: two policies on the tiny pair (LLM_KW shapes)."""
     from jspec.bench import serving
 
-    target, draft = tiny_pair
     out = tmp_path_factory.mktemp("serving") / "run.json"
-    parser = argparse.ArgumentParser()
-    serving.add_arguments(parser)
-    args = parser.parse_args([
-        "--target", str(target), "--draft", str(draft), *llm_cli_args(),
-        "--policy", "off", "static", "--workload", "code", "--arrivals", "poisson",
+    args = tiny_serving_args(
+        tiny_pair, "--policy", "off", "static", "--workload", "code", "--arrivals", "poisson",
         "--rate", "40", "--num-requests", "5", "--max-tokens", "6", "--seed", "3",
-        "--out", str(out), "--no-progress"])
+        "--out", str(out), "--no-progress")
     assert serving.run(args) == 0
     return out, json.loads(out.read_text())
 
@@ -544,18 +538,16 @@ def test_headline_goal_checks_and_report():
     # every preset parses as `jspec bench serving` arguments
     from jspec.bench import serving
 
-    parser = argparse.ArgumentParser()
-    serving.add_arguments(parser)
     ns = argparse.Namespace(policies=["off", "nightjar"], synthetic=None,
                             synthetic_acceptance=None, extra="--seed 2")
     for mode in PRESETS:
         for load in LOADS:
-            parsed = parser.parse_args(serving_args(mode, load, ns))
+            parsed = parse_serving_args(*serving_args(mode, load, ns))
             assert parsed.policy == ["off", "nightjar"] and parsed.seed == 2
             if load != "trace":  # (the trace needs ../shared/data; tested where it is found)
                 assert len(serving.build_arrivals(parsed)) >= 8
     ns.rounds = 3  # `jspec bench headline --rounds 3` passes it on
-    assert parser.parse_args(serving_args("real", "low", ns)).rounds == 3
+    assert parse_serving_args(*serving_args("real", "low", ns)).rounds == 3
     # the loads that change are judged like the trace
     assert [g for g, _, _ in goal_checks("step", trace)] == [g for g, _, _ in checks]
 
@@ -565,15 +557,11 @@ def test_serving_warmup_requests(tiny_pair, tmp_path):
     keep what they learned); off / static are measured as they are."""
     from jspec.bench import serving
 
-    target, draft = tiny_pair
     out = tmp_path / "warm.json"
-    parser = argparse.ArgumentParser()
-    serving.add_arguments(parser)
-    args = parser.parse_args([
-        "--target", str(target), "--draft", str(draft), *llm_cli_args(),
-        "--policy", "off", "nightjar", "--arrivals", "poisson", "--rate", "50",
+    args = tiny_serving_args(
+        tiny_pair, "--policy", "off", "nightjar", "--arrivals", "poisson", "--rate", "50",
         "--num-requests", "4", "--max-tokens", "5", "--warmup-requests", "3",
-        "--out", str(out), "--no-progress"])
+        "--out", str(out), "--no-progress")
     assert serving.run(args) == 0
     off, nightjar = json.loads(out.read_text())["runs"]
     assert off["warmup_requests"] == 0 and nightjar["warmup_requests"] == 3
@@ -596,15 +584,11 @@ def test_serving_rounds_palindrome_and_means(tiny_pair, tmp_path, capsys):
     """--rounds 2: the policies run A B, then B A; the comparison is on the means."""
     from jspec.bench import headline, serving
 
-    target, draft = tiny_pair
     out = tmp_path / "rounds.json"
-    parser = argparse.ArgumentParser()
-    serving.add_arguments(parser)
-    args = parser.parse_args([
-        "--target", str(target), "--draft", str(draft), *llm_cli_args(),
-        "--policy", "off", "static", "--arrivals", "poisson", "--rate", "50",
+    args = tiny_serving_args(
+        tiny_pair, "--policy", "off", "static", "--arrivals", "poisson", "--rate", "50",
         "--num-requests", "3", "--max-tokens", "4", "--rounds", "2", "--no-requests",
-        "--out", str(out), "--no-progress"])
+        "--out", str(out), "--no-progress")
     assert serving.run(args) == 0
     res = json.loads(out.read_text())
     assert [(r["label"], r["round"]) for r in res["runs"]] == [
@@ -624,4 +608,4 @@ def test_serving_rounds_palindrome_and_means(tiny_pair, tmp_path, capsys):
     # the headline judges a load by its means
     assert set(headline._runs(res)) == {"off", "static"}
     with pytest.raises(ValueError, match="--rounds must be >= 1"):
-        serving.run(parser.parse_args(["--rounds", "0"]))
+        serving.run(parse_serving_args("--rounds", "0"))

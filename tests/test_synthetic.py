@@ -3,12 +3,12 @@ replacement of verification results, the engine under it, and `jspec bench servi
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 import pytest
-from conftest import llm_cli_args, make_engine, run_to_completion
+from conftest import (llm_cli_args, make_engine, parse_serving_args, run_to_completion,
+                      tiny_serving_args)
 
 from jspec.sampler import VerifyResult
 from jspec.synthetic import (SHAPES, SyntheticAcceptance, conditional_from_unconditional,
@@ -121,15 +121,11 @@ def test_shapes_are_real_shapes():
 def test_serving_bench_labels_synthetic_runs(tiny_pair, tmp_path, capsys):
     from jspec.bench import serving
 
-    target, draft = tiny_pair
     out = tmp_path / "syn.json"
-    parser = argparse.ArgumentParser()
-    serving.add_arguments(parser)
-    args = parser.parse_args([
-        "--target", str(target), "--draft", str(draft), *llm_cli_args(),
-        "--synthetic-acceptance", "1.0", "--policy", "static:gamma=3",
+    args = tiny_serving_args(
+        tiny_pair, "--synthetic-acceptance", "1.0", "--policy", "static:gamma=3",
         "--arrivals", "batch", "--num-requests", "4", "--max-tokens", "9", "--out", str(out),
-        "--no-progress", "--no-requests"])
+        "--no-progress", "--no-requests")
     assert serving.run(args) == 0
     assert "SYNTHETIC" in capsys.readouterr().out
     res = json.loads(out.read_text())
@@ -162,12 +158,10 @@ def test_serving_bench_synthetic_shape(monkeypatch, tmp_path):
                                                                 **DRAFT_OVERRIDES))
     monkeypatch.setitem(synthetic.SHAPES, "test-tiny", shape)
     out = tmp_path / "shape.json"
-    parser = argparse.ArgumentParser()
-    serving.add_arguments(parser)
-    args = parser.parse_args([
+    args = parse_serving_args(
         "--synthetic", "test-tiny", "--synthetic-acceptance", "0.0,1.0", *llm_cli_args(),
         "--policy", "static:gamma=2", "--arrivals", "batch", "--num-requests", "3",
-        "--max-tokens", "7", "--out", str(out), "--no-progress", "--no-requests"])
+        "--max-tokens", "7", "--out", str(out), "--no-progress", "--no-requests")
     assert serving.run(args) == 0
     res = json.loads(out.read_text())
     assert res["config"]["target"] == "synthetic test-tiny target (random weights)"
