@@ -144,7 +144,10 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
         batch_sizes.append(top)
 
     saved = (engine.policy, engine.metrics, engine.last_outcome, engine.last_step,
-             engine.stream_outputs, engine.time_stages)
+             engine.stream_outputs, engine.time_stages, engine.elastic)
+    # elastic memory off while measuring: the grid's γ = 0 steps on a full pool must not
+    # offload the draft whose cost is being measured
+    engine.elastic = None
     forced = ForcedGamma(max_gamma, saved[0].possible_gammas() | set(gammas))
     # time_stages: the draft loop is waited for before verification is dispatched, so a
     # step's draft_time is the loop's device time, not its dispatch; otherwise the draft's
@@ -211,7 +214,7 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
             engine.abort_request(ids)
             engine.step()
         (engine.policy, engine.metrics, engine.last_outcome, engine.last_step,
-         engine.stream_outputs, engine.time_stages) = saved
+         engine.stream_outputs, engine.time_stages, engine.elastic) = saved
         engine._pending_outputs.clear()
     device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
     return StepProfile(model_signature(engine.target.cfg), model_signature(engine.draft.cfg),

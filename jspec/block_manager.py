@@ -1,8 +1,9 @@
 """Paged-KV block allocation on the host: free list, reference counts, one block table per sequence.
 
-Every model's KV pool (target and drafts) has the same ``num_blocks`` and ``block_size``, so a
-physical block id means the same slot range in every pool and one manager (one page table per
-sequence) serves all models.
+Every model's KV pool (target and drafts) has the same ``block_size`` and the same base
+``num_blocks``, so a physical block id means the same slot range in every pool and one manager
+(one page table per sequence) serves all models. Only the target's pool also holds the elastic
+extension's blocks, which sequences hold only while the draft is offloaded (below).
 
 Physical block 0 is the reserved *null block*: padding tokens write their K/V there and unused
 page-table entries point at it, so it is never free and never owned by a sequence. Usable blocks
@@ -13,11 +14,16 @@ Rollback after a rejected draft is :meth:`BlockManager.truncate`: whole trailing
 the free list and nothing moves, because the stale K/V left in a kept block sits at positions above
 every live query and attention masks it by position.
 
+Elastic pool (Nightjar §5, ``jspec/elastic.py``): the ids ``num_base_blocks .. num_blocks - 1``
+are the *extension*. They exist from the start (one pool shape, so nothing recompiles) but are
+reserved, outside the free list, until :meth:`expand` hands them out; :meth:`contraction_plan`
+and :meth:`contract` move every live block out of the extension again and take it back.
+
 Free-list policy: lowest free block id first (a min-heap). Keeping live blocks packed at low ids
-means that when the KV pool is elastic (a base segment plus an extension segment above it) the
-extension is only used once the base is full, and contraction has as few live blocks to migrate
-out of it as possible. The cost is O(log n) per block handed out or returned, and blocks change
-hands only at block boundaries (about once every ``block_size`` tokens per sequence).
+means that an expanded pool uses the extension only once the base is full, and contraction has as
+few live blocks to migrate out of it as possible. The cost is O(log n) per block handed out or
+returned, and blocks change hands only at block boundaries (about once every ``block_size``
+tokens per sequence).
 """
 
 from __future__ import annotations
@@ -37,16 +43,21 @@ class BlockManager:
     returns to the free list only when the last table holding it lets it go.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_extension_blocks: int = 0) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), "
                              f"got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0 <= num_extension_blocks <= num_blocks - 2:
+            raise ValueError(f"num_extension_blocks must be in [0, {num_blocks - 2}] (the base "
+                             f"keeps a usable block), got {num_extension_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_base_blocks = num_blocks - num_extension_blocks  # the null block included
+        self.expanded = False
         # range(1, n) ascending is already a valid min-heap.
-        self._free: list[int] = list(range(1, num_blocks))
+        self._free: list[int] = list(range(1, self.num_base_blocks))
         self._refcounts: list[int] = [0] * num_blocks
         self._tables: dict[Hashable, list[int]] = {}
         # int32 mirrors of the tables for fill_page_table: copying an array slice into the page
@@ -58,9 +69,19 @@ class BlockManager:
     # ------------------------------------------------------------------ capacity
 
     @property
+    def num_extension_blocks(self) -> int:
+        return self.num_blocks - self.num_base_blocks
+
+    @property
     def num_usable_blocks(self) -> int:
-        """Blocks that sequences can ever hold (all but the null block)."""
-        return self.num_blocks - 1
+        """Blocks that sequences can hold now (all but the null block; the extension's only
+        while expanded)."""
+        return (self.num_blocks if self.expanded else self.num_base_blocks) - 1
+
+    @property
+    def num_base_usable_blocks(self) -> int:
+        """Blocks sequences can always hold, expanded or not: what a request must fit in."""
+        return self.num_base_blocks - 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,7 +89,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        return self.num_usable_blocks - len(self._free)
 
     def blocks_needed(self, num_slots: int) -> int:
         """Blocks that cover ``num_slots`` token slots (ceil division)."""
@@ -175,6 +196,58 @@ class BlockManager:
         self._tables[child_id] = list(parent)
         self._mirror(child_id, parent, 0)
 
+    # ------------------------------------------------------------------ elastic pool
+    def expand(self) -> int:
+        """Hand out the extension's blocks (Nightjar §5.2: appended to the free list, nothing
+        moves). Returns how many blocks became free."""
+        if self.expanded:
+            raise RuntimeError("the KV pool is already expanded")
+        if not self.num_extension_blocks:
+            raise RuntimeError("this block manager has no extension blocks")
+        # every extension id is above every base id, so appending them in ascending order keeps
+        # the min-heap valid: each new entry's parent is a smaller id already in the heap
+        self._free.extend(range(self.num_base_blocks, self.num_blocks))
+        self.expanded = True
+        return self.num_extension_blocks
+
+    def contraction_plan(self) -> list[tuple[int, int]] | None:
+        """Moves (source, destination) that empty the extension: every live block in it goes to
+        a free base block, lowest first (§5.3 steps 1-2). ``None`` when the free base blocks
+        cannot take them all. Sources are live and destinations free, so the two sets are
+        disjoint and the copies commute (``pallas_kernels.kv_migration``)."""
+        if not self.expanded:
+            raise RuntimeError("the KV pool is not expanded")
+        base = self.num_base_blocks
+        live = sorted(b for b in range(base, self.num_blocks) if self._refcounts[b])
+        free_base = sorted(b for b in self._free if b < base)
+        if len(live) > len(free_base):
+            return None
+        return list(zip(live, free_base))
+
+    def contract(self, moves: list[tuple[int, int]]) -> None:
+        """Apply a :meth:`contraction_plan` to the tables (after its K/V were copied) and take the
+        extension back (§5.3 steps 3 and 5)."""
+        if not self.expanded:
+            raise RuntimeError("the KV pool is not expanded")
+        base = self.num_base_blocks
+        remap = dict(moves)
+        live = {b for b in range(base, self.num_blocks) if self._refcounts[b]}
+        if set(remap) != live:
+            raise ValueError(f"the moves cover extension blocks {sorted(remap)} but the live "
+                             f"ones are {sorted(live)}")
+        free_set = set(self._free)
+        for src, dst in moves:
+            if not (dst < base and dst in free_set):
+                raise ValueError(f"destination block {dst} is not a free base block")
+            free_set.discard(dst)
+            self._refcounts[dst], self._refcounts[src] = self._refcounts[src], 0
+        for request_id, table in self._tables.items():
+            if any(b >= base for b in table):
+                table[:] = [remap.get(b, b) for b in table]
+                self._mirror(request_id, table, 0)
+        self._free = sorted(b for b in free_set if b < base)  # sorted is a valid min-heap
+        self.expanded = False
+
     # ------------------------------------------------------------------ checking
 
     def check_invariants(self) -> None:
@@ -186,7 +259,8 @@ class BlockManager:
             raise AssertionError(f"duplicate blocks in the free list: {dups}")
         if NULL_BLOCK in free_set:
             raise AssertionError("the null block 0 is in the free list")
-        out_of_range = sorted(b for b in free_set if not 0 < b < self.num_blocks)
+        limit = self.num_usable_blocks + 1  # the extension is out of range unless expanded
+        out_of_range = sorted(b for b in free_set if not 0 < b < limit)
         if out_of_range:
             raise AssertionError(f"free list holds out-of-range blocks {out_of_range}")
         for i in range(1, len(free)):
@@ -197,7 +271,7 @@ class BlockManager:
             if len(set(table)) != len(table):
                 raise AssertionError(f"request {request_id!r} holds a block twice: {table}")
             for block in table:
-                if not 0 < block < self.num_blocks:
+                if not 0 < block < limit:
                     raise AssertionError(f"request {request_id!r} holds invalid block {block}")
                 holders[block] += 1
         for block in range(self.num_blocks):
@@ -207,9 +281,9 @@ class BlockManager:
             if holders[block] and block in free_set:
                 raise AssertionError(f"block {block} is both free and held")
         used = sum(1 for count in holders if count)
-        if used + len(free) != self.num_blocks - 1:
+        if used + len(free) != self.num_usable_blocks:
             raise AssertionError(f"{used} used + {len(free)} free != "
-                                 f"{self.num_blocks - 1} usable blocks (leaked blocks)")
+                                 f"{self.num_usable_blocks} usable blocks (leaked blocks)")
         for request_id, table in self._tables.items():
             arr = self._table_arrays.get(request_id)
             if table and (arr is None or arr[:len(table)].tolist() != table):
@@ -247,5 +321,7 @@ class BlockManager:
                 heapq.heappush(free, block)
 
     def __repr__(self) -> str:
+        ext = (f", extension={self.num_extension_blocks}"
+               f"{' (in use)' if self.expanded else ''}") if self.num_extension_blocks else ""
         return (f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"free={self.num_free_blocks}, sequences={len(self._tables)})")
+                f"free={self.num_free_blocks}, sequences={len(self._tables)}{ext})")

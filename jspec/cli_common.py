@@ -13,7 +13,8 @@ from typing import Any, Callable
 # EngineConfig fields that map one-to-one onto `--flag` options; unset flags keep the config's
 # default (or the value a command derives itself, like generate's max_num_seqs).
 ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                        "min_token_bucket", "kernel_backend")
+                        "min_token_bucket", "kernel_backend", "elastic_memory",
+                        "elastic_low_watermark", "elastic_persist_steps")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,12 +68,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
                         default=None,
                         help="attention / KV-migration kernels: auto = Pallas on a GPU where they "
                              "compile, else the jnp reference (default: auto)")
+    add_elastic_arguments(engine)
     engine.add_argument("--no-warmup", action="store_true",
                         help="skip compiling every shape bucket up front (first steps then "
                              "compile as they go)")
     engine.add_argument("--no-progress", action="store_true",
                         help="no progress bars on stderr")
     return engine
+
+
+def add_elastic_arguments(group) -> None:
+    """Nightjar's elastic memory (jspec/elastic.py), on generate, serve and bench serving."""
+    group.add_argument("--elastic-memory", action="store_const", const=True, default=None,
+                       help="offload the draft and give its memory to the KV cache while "
+                            "speculation is off and blocks run short; reload it when load "
+                            "falls (Nightjar §5)")
+    group.add_argument("--elastic-low-watermark", type=float, default=None, metavar="FRACTION",
+                       help="τ_low: expand below this share of free blocks (default: 0.1)")
+    group.add_argument("--elastic-persist-steps", type=int, default=None, metavar="STEPS",
+                       help="T_persist: steps the expansion conditions must hold (default: 8)")
 
 
 def parse_option_value(text: str) -> Any:

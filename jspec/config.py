@@ -37,6 +37,11 @@ class EngineConfig:
     # benchmarking only: accepted-draft counts drawn from this acceptance model instead of the
     # verification's (jspec/synthetic.py: "0.8", "0.9,0.8,...", a JSON file, "default-pair")
     synthetic_acceptance: str | None = None
+    # Nightjar §5 (jspec/elastic.py): offload the draft and hand its memory to the target's KV
+    # pool while speculation is off and blocks run short; take it back when load falls
+    elastic_memory: bool = False
+    elastic_low_watermark: float = 0.1  # τ_low as a share of the base pool's blocks
+    elastic_persist_steps: int = 8  # T_persist: steps both conditions must hold before expanding
 
     def __post_init__(self):
         def positive(name):
@@ -45,7 +50,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "num_kv_blocks", "kv_cache_memory_bytes", "min_token_bucket"):
+                     "num_kv_blocks", "kv_cache_memory_bytes", "min_token_bucket",
+                     "elastic_persist_steps"):
             positive(name)
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got "
@@ -55,6 +61,11 @@ class EngineConfig:
         if self.kernel_backend not in ("auto", "pallas", "interpret", "reference"):
             raise ValueError(f"kernel_backend must be 'auto', 'pallas', 'interpret' or "
                              f"'reference', got {self.kernel_backend!r}")
+        if not isinstance(self.elastic_memory, bool):
+            raise ValueError(f"elastic_memory must be True or False, got {self.elastic_memory!r}")
+        w = self.elastic_low_watermark
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < 1.0:
+            raise ValueError(f"elastic_low_watermark must be a fraction in [0, 1), got {w!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2 (block 0 is reserved)")
 
@@ -88,6 +99,8 @@ class ResolvedConfig:
     max_pages: int  # page-table width: covers max_model_len plus lookahead slots
     seq_buckets: tuple[int, ...]
     token_buckets: tuple[int, ...]
+    # elastic memory: target-pool blocks above num_kv_blocks, usable while the draft is away
+    num_extension_blocks: int = 0
 
     def seq_bucket(self, n: int) -> int:
         for b in self.seq_buckets:

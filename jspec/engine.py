@@ -20,6 +20,7 @@ from jspec import input_batch as ib
 from jspec.block_manager import BlockManager
 from jspec.config import EngineConfig, gamma_bucket, gamma_buckets, resolve
 from jspec.detokenizer import IncrementalDetokenizer, find_stop
+from jspec.elastic import DraftState, ElasticMemory, extension_blocks, tree_bytes
 from jspec.engine_info import EngineLimits, EngineStats
 from jspec.jsonfile import read_json
 from jspec.metrics import EngineMetrics
@@ -76,13 +77,27 @@ class LLMEngine:
         # the KV cache takes the models' dtype unless one is forced
         kv_dtype = (np.dtype(jax.tree_util.tree_leaves(target.params)[0].dtype)
                     if config.dtype == "auto" else np.dtype(jax.numpy.dtype(config.dtype)))
-        bytes_per_block = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
-        if draft is not None:
-            bytes_per_block += KVCache.bytes_per_block(draft.cfg, config.block_size, kv_dtype)
-        self.rc = resolve(config, target.cfg.max_position_embeddings, bytes_per_block)
+        target_block_bytes = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
+        draft_block_bytes = (KVCache.bytes_per_block(draft.cfg, config.block_size, kv_dtype)
+                             if draft is not None else 0)
+        self.rc = resolve(config, target.cfg.max_position_embeddings,
+                          target_block_bytes + draft_block_bytes)
+        self.elastic: ElasticMemory | None = None
+        self._reload_started = 0.0
+        if config.elastic_memory:
+            if draft is None:
+                raise ValueError("elastic_memory offloads the draft model to grow the KV cache; "
+                                 "it needs a draft")
+            num_ext = extension_blocks(tree_bytes(draft.params), draft_block_bytes,
+                                       target_block_bytes, self.rc.num_kv_blocks)
+            self.rc = dataclasses.replace(self.rc, num_extension_blocks=num_ext)
+            self.elastic = ElasticMemory(self.rc.num_kv_blocks - 1, num_ext,
+                                         config.elastic_low_watermark,
+                                         config.elastic_persist_steps)
         self.gamma_buckets = gamma_buckets(self.policy.possible_gammas(), self.max_gamma) \
             if draft is not None else (0,)
-        self.block_manager = BlockManager(self.rc.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.rc.num_kv_blocks + self.rc.num_extension_blocks,
+                                          config.block_size, self.rc.num_extension_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.rc.max_num_batched_tokens,
@@ -173,7 +188,7 @@ class LLMEngine:
         if len(token_ids) >= limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limit} "
                              f"(at least one token must remain for the output)")
-        capacity = (self.block_manager.num_usable_blocks) * self.config.block_size
+        capacity = self.block_manager.num_base_usable_blocks * self.config.block_size
         if len(token_ids) + 1 > capacity:
             raise ValueError(f"prompt has {len(token_ids)} tokens but the KV cache holds only "
                              f"{capacity} token slots")
@@ -193,7 +208,7 @@ class LLMEngine:
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids,
                        sampling_params=sampling_params, arrival_index=next(self._arrivals),
                        arrival_time=now, seed=seed)
-        capacity = self.block_manager.num_usable_blocks * self.config.block_size
+        capacity = self.block_manager.num_base_usable_blocks * self.config.block_size
         max_tokens = min(sampling_params.max_tokens, self.rc.max_model_len - len(token_ids),
                          capacity - len(token_ids))
         self._requests[request_id] = _Request(
@@ -232,6 +247,8 @@ class LLMEngine:
         self._step_listeners = listeners
 
     def step(self) -> list[RequestOutput]:
+        if self.elastic is not None:
+            self._elastic_tick()
         clock = StageClock(sync=self.time_stages)
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
@@ -266,7 +283,59 @@ class LLMEngine:
         outputs += self._commit(st, result, drafted)
         clock.lap("commit")
         self._observe(st, result, signals, drafted, clock)
+        if self.elastic is not None and not self.scheduler.has_unfinished():
+            self._elastic_tick()  # idle from now on: contract while nothing runs
         return outputs
+
+    # ------------------------------------------------------------------ elastic memory
+    @property
+    def draft_resident(self) -> bool:
+        """Whether the draft can run this step (False while elastic memory has it offloaded or
+        its reload is still in flight)."""
+        return self.draft is not None and (self.elastic is None or self.elastic.draft_resident)
+
+    def _elastic_tick(self) -> None:
+        """Before a step: finish a reload that has landed, then expand or contract the pool when
+        Nightjar's §5.1 conditions hold (jspec/elastic.py)."""
+        e, bm = self.elastic, self.block_manager
+        if e.state is DraftState.RELOADING and self.runner.draft_ready():
+            e.reloaded_now()
+            self.draft = self.runner.draft
+            self.metrics.draft_reload_time += time.perf_counter() - self._reload_started
+        if e.should_expand():
+            self._expand()
+        elif e.should_contract(bm.num_free_blocks, self.scheduler.num_waiting):
+            self._contract()
+
+    def _expand(self) -> None:
+        t0 = time.perf_counter()
+        self.runner.offload_draft()
+        self.draft = self.runner.draft
+        self.block_manager.expand()
+        # the draft's K/V went with it: after the reload it catches up from the first token
+        for seq in self.scheduler.running:
+            seq.num_draft_computed = 0
+        self.elastic.expanded_now()
+        self.metrics.num_pool_expansions += 1
+        self.metrics.pool_expansion_time += time.perf_counter() - t0
+
+    def _contract(self) -> None:
+        bm = self.block_manager
+        t0 = time.perf_counter()
+        moves = bm.contraction_plan()
+        if moves is None:  # cannot happen while free > extension + τ_low; wait if it does
+            return
+        self.runner.migrate_blocks(moves)
+        bm.contract(moves)
+        jax.block_until_ready(self.runner.target_kv)
+        t1 = time.perf_counter()
+        self.runner.reload_draft()
+        self._reload_started = t2 = time.perf_counter()
+        self.elastic.contracted_now()
+        self.metrics.num_pool_contractions += 1
+        self.metrics.num_migrated_blocks += len(moves)
+        self.metrics.pool_contraction_time += t1 - t0
+        self.metrics.draft_reload_dispatch_time += t2 - t1
 
     def _plan(self, sched) -> StepState:
         """The step's rows, the policy's plan (γ per decoding row, clipped), the γ bucket and
@@ -325,10 +394,12 @@ class LLMEngine:
             raise RuntimeError(f"policy {self.policy.name!r} sets a draft stop rule but does not "
                                f"declare draft_stops = True (the draft loop is compiled without "
                                f"confidence and entropy)")
+        resident = self.draft_resident
         for row, gamma in zip(decode_rows, plan.gammas.tolist()):
             req = self._requests[row.seq.request_id]
-            # never draft past the request's last token or the reserved KV slots
-            room = req.max_tokens - row.seq.num_output_tokens - 1
+            # never draft past the request's last token or the reserved KV slots, and never
+            # while the draft is away
+            room = req.max_tokens - row.seq.num_output_tokens - 1 if resident else 0
             row.gamma_planned = row.gamma_verify = max(0, min(int(gamma), room, row.lookahead))
 
     def _catch_up(self, st: StepState) -> None:
@@ -410,7 +481,7 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_usable_blocks,
-            draft_resident=self.draft is not None,
+            draft_resident=self.draft_resident,
             max_gamma=self.max_gamma,
         )
 
@@ -418,6 +489,11 @@ class LLMEngine:
         """The step's one record: to the metrics, the policy and the step listeners."""
         outcome = self._outcome(st, result, signals, drafted, clock)
         self.metrics.observe(outcome)
+        if self.elastic is not None:
+            sched = self.scheduler
+            kv_bound = sched.num_waiting > 0 and sched.num_running < self.config.max_num_seqs
+            self.elastic.observe_step(outcome.num_decode > 0, st.gamma,
+                                      self.block_manager.num_free_blocks, kv_bound)
         if outcome.num_decode and self.draft is not None:
             t_policy = time.perf_counter()
             self.policy.observe(outcome)
@@ -569,14 +645,15 @@ class LLMEngine:
         """What the engine can hold (fixed once it is built; computed on first use)."""
         limits = self.__dict__.get("_limits")
         if limits is None:
-            capacity = self.block_manager.num_usable_blocks * self.config.block_size
+            capacity = self.block_manager.num_base_usable_blocks * self.config.block_size
             limits = self._limits = EngineLimits(
                 max_model_len=self.rc.max_model_len, kv_capacity_tokens=capacity,
                 context_limit=min(self.rc.max_model_len, capacity),
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.rc.max_num_batched_tokens,
                 block_size=self.config.block_size,
-                num_kv_blocks=self.block_manager.num_usable_blocks,
+                num_kv_blocks=self.block_manager.num_base_usable_blocks,
+                num_kv_extension_blocks=self.block_manager.num_extension_blocks,
                 vocab_size=self.target.cfg.vocab_size, has_draft=self.draft is not None,
                 policy=self.policy.name, max_gamma=self.max_gamma,
                 gamma_buckets=tuple(self.gamma_buckets))
@@ -590,5 +667,5 @@ class LLMEngine:
         return EngineStats(num_running=self.scheduler.num_running,
                            num_waiting=self.scheduler.num_waiting, kv_blocks_total=total,
                            kv_blocks_used=total - free, kv_blocks_free=free,
-                           draft_resident=self.draft is not None,
+                           draft_resident=self.draft_resident,
                            metrics=self.metrics.as_dict())

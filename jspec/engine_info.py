@@ -33,6 +33,9 @@ class EngineLimits:
     policy: str  # the speculation policy's name
     max_gamma: int  # the most draft tokens a sequence may get in one step
     gamma_buckets: tuple[int, ...]  # the γ values steps are compiled for ((0,) without a draft)
+    # elastic memory: blocks the pool gains while the draft is offloaded (0 without it); a
+    # request must fit in num_kv_blocks, the extension is extra room for the batch
+    num_kv_extension_blocks: int = 0
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -50,7 +53,7 @@ class EngineStats:
 
     num_running: int  # sequences in the running batch
     num_waiting: int  # requests waiting for a slot (the queue depth)
-    kv_blocks_total: int  # usable KV blocks
+    kv_blocks_total: int  # usable KV blocks now (the elastic extension's too while expanded)
     kv_blocks_used: int  # held by sequences
     kv_blocks_free: int
     draft_resident: bool  # the draft model's weights are on the device

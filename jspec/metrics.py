@@ -32,6 +32,14 @@ class EngineMetrics:
     host_time: float = 0.0  # step time outside the draft / verify / catch-up stages
     policy_time: float = 0.0  # inside the policy's plan / select / observe (part of host_time)
     policy_calls: int = 0  # steps in which the policy was consulted
+    # elastic memory (Nightjar §5; jspec/elastic.py)
+    num_pool_expansions: int = 0
+    num_pool_contractions: int = 0
+    num_migrated_blocks: int = 0  # live blocks moved out of the extension by contractions
+    pool_expansion_time: float = 0.0  # offloading the draft and growing the pool
+    pool_contraction_time: float = 0.0  # planning and running the block migration
+    draft_reload_dispatch_time: float = 0.0  # starting the asynchronous reload (host time)
+    draft_reload_time: float = 0.0  # from that start until the engine saw the draft back
 
     def __post_init__(self):
         self.accepted_per_position = np.zeros(self.max_gamma, np.int64)

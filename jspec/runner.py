@@ -87,6 +87,15 @@ def compile_lowered(lowered):
     return lowered.compile()
 
 
+def _to_host(a: jax.Array):
+    """``a`` copied to its device's host memory (pinned where the platform offers it)."""
+    kinds = {m.kind for m in next(iter(a.devices())).addressable_memories()}
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            return jax.device_put(a, a.sharding.with_memory_kind(kind))
+    return np.asarray(a)
+
+
 def _spec(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
@@ -112,12 +121,19 @@ class ModelRunner:
         self.draft_stats = bool(draft_stats)
         self.kernel_backend = kernel_backend.resolve(rc.engine.kernel_backend)
         self._attn = kernel_backend.attention_fn(self.kernel_backend)
-        self.target_kv = KVCache.create(target.cfg, rc.num_kv_blocks, rc.engine.block_size,
-                                        kv_dtype)
+        # the target's pool holds the elastic extension's blocks too (jspec/elastic.py: one pool
+        # shape); the draft's covers the base only, since it never runs while they are in use
+        self.target_kv = KVCache.create(target.cfg, rc.num_kv_blocks + rc.num_extension_blocks,
+                                        rc.engine.block_size, kv_dtype)
         self.draft_kv = (KVCache.create(draft.cfg, rc.num_kv_blocks, rc.engine.block_size,
                                         kv_dtype) if draft is not None else None)
+        self.draft_resident = draft is not None
+        self._draft_host = None  # the draft's params in host memory, once offloaded
+        self._draft_shardings = None
         self._local: dict[tuple, Any] = {}
         self._migrate = None
+        # migration plans run in chunks of one padded size: one compile, done at warm-up
+        self.migrate_bucket = min(256, 1 << (max(16, rc.num_extension_blocks) - 1).bit_length())
         self.num_compiled = 0  # executables this runner had to build (not found in the cache)
         self.compile_seconds = 0.0
 
@@ -136,6 +152,7 @@ class ModelRunner:
             model.cfg, str(jax.tree_util.tree_leaves(model.params)[0].dtype))
         # sampling-only executables (model None) do not touch the KV pool
         geometry = () if model is None else (str(self.kv_dtype), self.rc.num_kv_blocks,
+                                             self.rc.num_extension_blocks,
                                              self.rc.engine.block_size, self.rc.max_pages,
                                              self.kernel_backend)
         full_key = (key, model_key, geometry)
@@ -337,39 +354,95 @@ class ModelRunner:
         rewrite acceptance (jspec.synthetic.SyntheticAcceptanceRunner)."""
         return jax.device_get((result, signals, num_drafted))
 
+    def _check_draft_resident(self) -> None:
+        if not self.draft_resident:
+            raise RuntimeError("the draft model is offloaded (elastic memory): reload it first")
+
     def run_draft(self, first: ModelInput, next_positions, page_table, gammas, stop_confidence,
                   stop_entropy, st: SamplingTensors, gamma: int):
+        self._check_draft_resident()
         exe = self.draft_executable(gammas.shape[0], gamma)
         result, self.draft_kv = exe(self.draft.params, self.draft_kv, first, next_positions,
                                     page_table, gammas, stop_confidence, stop_entropy, st)
         return result
 
     def run_catch_up(self, batch: ModelInput) -> None:
+        self._check_draft_resident()
         exe = self.catch_up_executable(batch.input_ids.shape[0])
         self.draft_kv = exe(self.draft.params, self.draft_kv, batch)
 
     def migrate_blocks(self, pairs) -> int:
-        """Copy KV blocks (src, dst) in every pool this runner holds (target and draft), in
-        place, one kernel launch per pool. Destinations must be free blocks (validated here:
-        ``pallas_kernels.kv_migration.validate_pairs``); the caller rewrites its page tables.
-        Pair counts are padded to a power of two so a few compiles cover every plan."""
-        pairs = validate_pairs(pairs, self.rc.num_kv_blocks)
+        """Copy KV blocks (src, dst) in every pool this runner holds (the target's, and the
+        draft's while it is resident), in place. Destinations must be free blocks (validated
+        here: ``pallas_kernels.kv_migration.validate_pairs``); the caller rewrites its page
+        tables. Plans run in chunks of ``migrate_bucket`` pairs, padded with null pairs, so one
+        compiled size serves every plan."""
+        num_blocks = self.target_kv.num_blocks
+        if self.draft_kv is not None:
+            num_blocks = min(num_blocks, self.draft_kv.num_blocks)
+        pairs = validate_pairs(pairs, num_blocks)
         if not len(pairs):
             return 0
-        bucket = 1 << (len(pairs) - 1).bit_length()
-        padded = jnp.asarray(pad_pairs(pairs, bucket))
         if self._migrate is None:
             self._migrate = kernel_backend.migration_fn(self.kernel_backend)
-        k, v = self._migrate(self.target_kv.k, self.target_kv.v, padded)
-        self.target_kv = KVCache(k, v)
-        if self.draft_kv is not None:
-            k, v = self._migrate(self.draft_kv.k, self.draft_kv.v, padded)
-            self.draft_kv = KVCache(k, v)
+        bucket = self.migrate_bucket
+        for start in range(0, len(pairs), bucket):
+            padded = jnp.asarray(pad_pairs(pairs[start:start + bucket], bucket))
+            k, v = self._migrate(self.target_kv.k, self.target_kv.v, padded)
+            self.target_kv = KVCache(k, v)
+            if self.draft_kv is not None:
+                k, v = self._migrate(self.draft_kv.k, self.draft_kv.v, padded)
+                self.draft_kv = KVCache(k, v)
         return len(pairs)
 
     def sync_draft(self) -> None:
         if self.draft_kv is not None:
             self.draft_kv.k.block_until_ready()
+
+    # ------------------------------------------------------------------ elastic memory
+    def offload_draft(self) -> None:
+        """Move the draft's weights to host memory and drop its KV pool (Nightjar §5.2).
+
+        The weights go to the device's ``pinned_host`` memory (``unpinned_host`` where that is
+        missing, numpy where neither is) and stay there as the backup the reload copies from, so
+        the second offload moves nothing. The runner drops its references to the device copy;
+        the memory returns to the device once nothing else holds those arrays (a caller that
+        built the engine from its own ``LoadedModel`` keeps them alive). The draft's KV pool
+        belongs to this runner alone and is deleted outright."""
+        if not self.draft_resident:
+            raise RuntimeError("the draft model is already offloaded")
+        params = self.draft.params
+        if self._draft_host is None:
+            self._draft_shardings = jax.tree_util.tree_map(lambda a: a.sharding, params)
+            self._draft_host = jax.block_until_ready(
+                jax.tree_util.tree_map(_to_host, params))
+        self.draft = dataclasses.replace(self.draft, params=self._draft_host)
+        for arr in (self.draft_kv.k, self.draft_kv.v):
+            arr.delete()
+        self.draft_kv = None
+        self.draft_resident = False
+
+    def reload_draft(self) -> None:
+        """Start copying the draft's weights back and allocate its (empty) KV pool; returns at
+        once (JAX dispatches both asynchronously). ``draft_ready`` says when they are there;
+        until then the engine decodes at γ = 0."""
+        if self.draft_resident or self.draft_kv is not None:
+            raise RuntimeError("the draft model is not offloaded")
+        params = jax.device_put(self._draft_host, self._draft_shardings)
+        self.draft = dataclasses.replace(self.draft, params=params)
+        self.draft_kv = KVCache.create(self.draft.cfg, self.rc.num_kv_blocks,
+                                       self.rc.engine.block_size, self.kv_dtype)
+
+    def draft_ready(self) -> bool:
+        """After ``reload_draft``: whether the copy has landed (then the draft is resident)."""
+        if self.draft_resident:
+            return True
+        if self.draft_kv is None:
+            return False
+        leaves = jax.tree_util.tree_leaves((self.draft.params, self.draft_kv))
+        if all(leaf.is_ready() for leaf in leaves):
+            self.draft_resident = True
+        return self.draft_resident
 
     # ------------------------------------------------------------------ warm-up
     def bucket_plan(self) -> list[tuple]:
@@ -407,4 +480,7 @@ class ModelRunner:
             getattr(self, f"{kind}_executable")(*shape)
             if progress is not None:
                 progress(i + 1, len(plan))
+        if self.rc.num_extension_blocks:
+            # the contraction's migration, compiled now: a plan of null pairs copies nothing
+            self.migrate_blocks(np.zeros((1, 2), np.int32))
         return len(plan)

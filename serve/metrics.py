@@ -228,6 +228,8 @@ class _EngineCollector:
         yield _gauge("jspec_kv_blocks_free", "Free KV-cache blocks", stats.kv_blocks_free)
         yield _gauge("jspec_kv_blocks_used", "KV-cache blocks held by sequences",
                      stats.kv_blocks_used)
+        yield _gauge("jspec_kv_blocks_total", "Usable KV-cache blocks now (with elastic memory "
+                     "the extension's too while the draft is offloaded)", stats.kv_blocks_total)
         yield _gauge("jspec_draft_resident", "1 while the draft model's weights are on the "
                      "device", int(stats.draft_resident))
         m = stats.metrics
@@ -237,7 +239,17 @@ class _EngineCollector:
                 ("jspec_engine_requests_aborted", "Requests aborted in the engine",
                  m["num_requests_aborted"]),
                 ("jspec_policy_time_seconds", "Time inside the policy's plan/select/observe",
-                 m["policy_time"])):
+                 m["policy_time"]),
+                ("jspec_num_pool_expansions", "Elastic memory: draft offloads that grew the KV "
+                 "pool", m["num_pool_expansions"]),
+                ("jspec_num_pool_contractions", "Elastic memory: KV pool contractions (blocks "
+                 "migrated out of the extension, draft reloaded)", m["num_pool_contractions"]),
+                ("jspec_pool_expansion_time_seconds", "Elastic memory: time spent expanding",
+                 m["pool_expansion_time"]),
+                ("jspec_pool_contraction_time_seconds", "Elastic memory: time spent migrating "
+                 "blocks to contract", m["pool_contraction_time"]),
+                ("jspec_draft_reload_dispatch_time_seconds", "Elastic memory: host time to "
+                 "start the asynchronous draft reloads", m["draft_reload_dispatch_time"])):
             yield _counter(name, doc, value)
 
 

@@ -1,0 +1,122 @@
+"""Elastic memory (Nightjar §5): when speculation is off and KV blocks run short, offload the draft
+and give its memory to the target's KV pool; when load falls, take it back and reload the draft.
+
+This module holds the host-side part: how many target blocks the draft's memory is worth, and the
+controller that decides when to expand and when to contract (§5.1). The mechanics live where the
+state lives: ``BlockManager.expand`` / ``contraction_plan`` / ``contract`` (block ids),
+``ModelRunner.offload_draft`` / ``migrate_blocks`` / ``reload_draft`` (device memory), and
+``LLMEngine`` ties them together once per step.
+
+One pool shape. The target's KV pool is allocated with the extension's blocks from the start and
+the block manager keeps them out of the free list until the pool expands, so no executable is
+ever compiled for a second pool shape and the expansion moves nothing (§5.2: "in-place
+expansion"). The draft's own KV pool covers the base blocks only: the draft never runs while the
+extension is in use, and contraction moves every live block below it before the draft returns.
+The price: on an accelerator the extension's bytes are allocated all along, so there the trade is
+an accounting one (the budget counts the extension as the draft's), not bytes handed from one
+buffer to another; a two-segment pool (attention reading a base and an extension array) would
+make it physical and is not built. On the CPU backend the budget is an accounting limit anyway.
+
+What the draft frees. Its weights and its KV pool: in this engine a KV block holds the target's
+and the draft's K/V for the same token slots (one block manager, one page table per sequence), so
+with the draft gone its half of every block is free too. The cost of dropping the draft's KV is
+Nightjar's switching cost: after the reload the draft catches up on every running sequence's
+context before it drafts again (``LLMEngine._catch_up``), which the policy's ``c_prefill``
+prices in through ``BatchView.pending_draft_tokens``.
+
+Triggers (§5.1), checked before every step:
+
+* expand when the draft is resident and each of the last ``persist_steps`` decoding steps
+  (T_persist) ended with fewer than τ_low blocks free and either played γ = 0 (the paper's
+  condition: speculation is off) or left requests waiting for KV blocks while the batch had room
+  for more sequences (a deviation, below);
+* contract when the pool is expanded, nothing waits, and more than extension + τ_low blocks are
+  free (the hysteresis keeps speculation off while blocks are scarce).
+
+τ_low = ``ceil(low_watermark x base usable blocks)``; the paper's best is 10%.
+
+Deviation: a KV-bound queue also counts. The paper's trigger waits for the policy to turn
+speculation off, which a bandit does when speculation stops paying *at the batch size the pool
+allows*. When the draft's memory is large next to the pool, that batch stays small: on the
+built-in pair with a 25-block pool (the draft is worth 100 more blocks) 48 queued requests ran
+two or three at a time, Nightjar rightly kept γ > 0 at that batch size, and the engine preempted
+48 times without ever expanding. Requests waiting on KV while the batch has free sequence slots
+is the state the extension exists for, so it counts like γ = 0 does (docs/benchmarks.md,
+"Elastic memory").
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import jax
+
+
+class DraftState(enum.Enum):
+    RESIDENT = "resident"
+    OFFLOADED = "offloaded"
+    RELOADING = "reloading"  # contraction done, weights on their way back; γ stays 0
+
+
+def tree_bytes(tree) -> int:
+    return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def extension_blocks(draft_param_bytes: int, draft_kv_bytes_per_block: int,
+                     target_kv_bytes_per_block: int, num_base_blocks: int) -> int:
+    """Target KV blocks that the draft's memory (weights + its KV pool of ``num_base_blocks``
+    blocks) is worth: M_scale = M_orig + S_draft, in blocks."""
+    if target_kv_bytes_per_block <= 0:
+        raise ValueError("target_kv_bytes_per_block must be positive")
+    freed = draft_param_bytes + draft_kv_bytes_per_block * num_base_blocks
+    return freed // target_kv_bytes_per_block
+
+
+class ElasticMemory:
+    """The expand / contract decisions of §5.1 (host-only, no JAX: testable alone)."""
+
+    def __init__(self, num_base_usable: int, num_extension: int, low_watermark: float = 0.1,
+                 persist_steps: int = 8) -> None:
+        if num_extension < 1:
+            raise ValueError(f"an elastic pool needs at least one extension block, got "
+                             f"{num_extension}")
+        if persist_steps < 1:
+            raise ValueError(f"persist_steps must be >= 1, got {persist_steps}")
+        self.num_base_usable = num_base_usable
+        self.num_extension = num_extension
+        self.tau_low = math.ceil(low_watermark * num_base_usable)
+        self.persist_steps = persist_steps
+        self.state = DraftState.RESIDENT
+        self.expanded = False
+        self._streak = 0  # consecutive decoding steps at γ = 0 that ended short of blocks
+
+    @property
+    def draft_resident(self) -> bool:
+        return self.state is DraftState.RESIDENT
+
+    def observe_step(self, has_decode: bool, gamma: int, num_free: int,
+                     kv_bound_queue: bool = False) -> None:
+        """After each step: did it leave fewer than τ_low blocks free, with speculation off
+        (γ = 0) or requests waiting for KV blocks (``kv_bound_queue``)?"""
+        if not has_decode or self.state is not DraftState.RESIDENT:
+            return  # prefill-only steps neither extend nor break the streak
+        short = num_free < self.tau_low and (gamma == 0 or kv_bound_queue)
+        self._streak = self._streak + 1 if short else 0
+
+    def should_expand(self) -> bool:
+        return (self.state is DraftState.RESIDENT and not self.expanded
+                and self._streak >= self.persist_steps)
+
+    def should_contract(self, num_free: int, num_waiting: int) -> bool:
+        return (self.expanded and num_waiting == 0
+                and num_free > self.num_extension + self.tau_low)
+
+    def expanded_now(self) -> None:
+        self.state, self.expanded, self._streak = DraftState.OFFLOADED, True, 0
+
+    def contracted_now(self) -> None:
+        self.state, self.expanded = DraftState.RELOADING, False
+
+    def reloaded_now(self) -> None:
+        self.state = DraftState.RESIDENT
