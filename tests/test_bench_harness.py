@@ -609,3 +609,26 @@ def test_serving_rounds_palindrome_and_means(tiny_pair, tmp_path, capsys):
     assert set(headline._runs(res)) == {"off", "static"}
     with pytest.raises(ValueError, match="--rounds must be >= 1"):
         serving.run(parse_serving_args("--rounds", "0"))
+
+
+def test_serving_elastic_memory_runs_each_policy_with_and_without(tiny_pair, tmp_path, capsys):
+    """--elastic-memory: every policy runs on a plain engine and on an elastic one, side by
+    side; the elastic run's expansions, contractions and preemptions are in its results."""
+    from jspec.bench import serving
+
+    out = tmp_path / "elastic.json"
+    args = tiny_serving_args(
+        tiny_pair, "--policy", "off", "--elastic-memory", "--elastic-persist-steps", "1",
+        "--elastic-low-watermark", "0.5", "--num-kv-blocks", "12", "--arrivals", "poisson",
+        "--rate", "200", "--num-requests", "8", "--max-tokens", "24", "--no-requests",
+        "--out", str(out), "--no-progress")
+    assert serving.run(args) == 0
+    plain, elastic = json.loads(out.read_text())["runs"]
+    assert (plain["label"], elastic["label"]) == ("off", "off +elastic")
+    assert plain["engine_options"] == {}
+    assert elastic["engine_options"] == {"elastic_memory": True, "elastic_persist_steps": 1,
+                                         "elastic_low_watermark": 0.5}
+    assert plain["metrics"]["num_pool_expansions"] == 0
+    assert elastic["metrics"]["num_pool_expansions"] >= 1
+    assert elastic["engine_metrics"]["num_pool_contractions"] >= 1  # the load fell at the end
+    assert "expansions" in capsys.readouterr().err

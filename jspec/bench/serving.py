@@ -68,6 +68,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name in ("max-num-batched-tokens", "block-size", "num-kv-blocks", "min-token-bucket"):
         models.add_argument(f"--{name}", type=int, default=None,
                             help="engine option (default: EngineConfig's)")
+    models.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV pool size as a memory budget (instead of --num-kv-blocks)")
+    models.add_argument("--elastic-memory", action="store_true",
+                        help="run every policy twice, without and with elastic memory "
+                             "(Nightjar §5: the draft offloaded to grow the KV pool under "
+                             "load), labelled 'NAME +elastic'")
+    models.add_argument("--elastic-low-watermark", type=float, default=None,
+                        metavar="FRACTION", help="τ_low of the elastic runs (default: 0.1)")
+    models.add_argument("--elastic-persist-steps", type=int, default=None, metavar="STEPS",
+                        help="T_persist of the elastic runs (default: 8)")
 
     syn = p.add_argument_group("cost-realistic synthetic mode (jspec/synthetic.py)")
     syn.add_argument("--synthetic", metavar="SHAPE", default=None,
@@ -192,8 +202,20 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
         labels[label] = labels.get(label, 0) + 1
         if labels[label] > 1:
             label = f"{label} #{labels[label]}"
-        runs.append({"label": label, "name": name, "options": opts})
+        runs.append({"label": label, "name": name, "options": opts, "engine": {}})
     return runs
+
+
+def with_elastic_runs(policies: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Each policy followed by the same policy on an engine with elastic memory."""
+    elastic = {"elastic_memory": True}
+    for name in ("elastic_low_watermark", "elastic_persist_steps"):
+        if getattr(args, name) is not None:
+            elastic[name] = getattr(args, name)
+    out = []
+    for p in policies:
+        out += [p, {**p, "label": f"{p['label']} +elastic", "engine": elastic}]
+    return out
 
 
 # ----------------------------------------------------------------------------- arrivals
@@ -329,7 +351,8 @@ def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
         target, draft = synthetic_models(args.synthetic, resolve_dtype(engine_kwargs["dtype"]))
         tokenizer = default_pair()[0]
     return build_engine(target, draft, tokenizer=tokenizer, policy=policy["name"],
-                        policy_options=policy["options"], warmup=False, **engine_kwargs)
+                        policy_options=policy["options"], warmup=False,
+                        **{**engine_kwargs, **policy.get("engine", {})})
 
 
 def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requests,
@@ -388,9 +411,12 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
         if seq_steps else 0.0
     metrics["num_engine_steps"] = em["num_steps"]
     metrics["num_preemptions"] = em["num_preemptions"]
+    metrics["num_pool_expansions"] = em["num_pool_expansions"]
+    metrics["num_pool_contractions"] = em["num_pool_contractions"]
     metrics["policy_time_per_step_s"] = em["policy_time_per_step"]
     result = {
         "label": policy["label"], "policy": policy["name"],
+        "engine_options": dict(policy.get("engine", {})),
         "policy_options": {k: str(v) if not isinstance(v, (int, float, bool)) else v
                            for k, v in policy["options"].items()},
         "compile_s": compile_s, "wall_s": wall,
@@ -474,7 +500,7 @@ def _fmt(x, spec: str, scale: float = 1.0) -> str:
 def format_table(runs: list[dict], rows: list[dict]) -> str:
     head = (f"{'policy':<22} {'tok/s':>8} {'×first':>7} {'×bestfix':>8} {'goodput':>8} "
             f"{'SLO%':>5} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} {'p90':>8} {'ITL p90':>8} "
-            f"{'accept':>6} {'acc.len':>7} {'mean γ':>6}")
+            f"{'accept':>6} {'acc.len':>7} {'mean γ':>6} {'preempt':>7}")
     lines = [head, "-" * len(head)]
     for r, c in zip(runs, rows):
         m = r["metrics"]
@@ -485,7 +511,8 @@ def format_table(runs: list[dict], rows: list[dict]) -> str:
             f"{_fmt(m['ttft_s']['p50'], '.1f', 1e3):>9} {_fmt(m['ttft_s']['p90'], '.1f', 1e3):>8} "
             f"{_fmt(m['tpot_s']['p50'], '.2f', 1e3):>9} {_fmt(m['tpot_s']['p90'], '.2f', 1e3):>8} "
             f"{_fmt(m['itl_s']['p90'], '.2f', 1e3):>8} {m['acceptance_rate']:>6.3f} "
-            f"{m['mean_accepted_length']:>7.2f} {m['mean_gamma']:>6.2f}")
+            f"{m['mean_accepted_length']:>7.2f} {m['mean_gamma']:>6.2f} "
+            f"{_fmt(m.get('num_preemptions'), '.0f'):>7}")
     lines.append("(latencies in ms; goodput = requests/s meeting the SLO; ×bestfix = "
                  "throughput / best of off and static in this run)")
     return "\n".join(lines)
@@ -546,6 +573,8 @@ def run(args: argparse.Namespace) -> int:
 
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # checks them
     policies = parse_policies(args.policy, args.policy_option, args.num_speculative_tokens)
+    if args.elastic_memory:
+        policies = with_elastic_runs(policies, args)
     arrivals = build_arrivals(args)
     if args.workload == "code" and args.workload_file:
         raise ValueError("--workload code reads the held-out corpus split; --workload-file is "
@@ -563,7 +592,7 @@ def run(args: argparse.Namespace) -> int:
                      "max_num_seqs": args.max_num_seqs,
                      "synthetic_acceptance": args.synthetic_acceptance}
     for name in ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                 "min_token_bucket"):
+                 "min_token_bucket", "kv_cache_memory_bytes"):
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
     if synthetic is not None:
@@ -615,7 +644,10 @@ def run(args: argparse.Namespace) -> int:
         m = result["metrics"]
         print(f"{result['label']}: {m['output_tokens_per_s']:.1f} tok/s, "
               f"TPOT p90 {_fmt(m['tpot_s']['p90'], '.2f', 1e3)} ms, "
-              f"acceptance {m['acceptance_rate']:.3f} (compiled in {result['compile_s']:.1f} s, "
+              f"acceptance {m['acceptance_rate']:.3f}, {m['num_preemptions']} preemptions"
+              + (f", {m['num_pool_expansions']} expansions / {m['num_pool_contractions']} "
+                 f"contractions" if result["engine_options"].get("elastic_memory") else "")
+              + f" (compiled in {result['compile_s']:.1f} s, "
               f"ran {result['wall_s']:.1f} s, send lag p99 "
               f"{_fmt(result['submit_lag_s']['p99'], '.1f', 1e3)} ms)", file=sys.stderr)
         # the driver shares the interpreter with the engine thread; a late send is charged to
