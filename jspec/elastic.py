@@ -88,12 +88,17 @@ class ElasticMemory:
         self.tau_low = math.ceil(low_watermark * num_base_usable)
         self.persist_steps = persist_steps
         self.state = DraftState.RESIDENT
-        self.expanded = False
         self._streak = 0  # consecutive decoding steps at γ = 0 that ended short of blocks
 
     @property
     def draft_resident(self) -> bool:
         return self.state is DraftState.RESIDENT
+
+    @property
+    def expanded(self) -> bool:
+        """The pool uses its extension exactly while the draft is offloaded (a contraction
+        hands the extension back before the reload starts)."""
+        return self.state is DraftState.OFFLOADED
 
     def observe_step(self, has_decode: bool, gamma: int, num_free: int,
                      kv_bound_queue: bool = False) -> None:
@@ -105,18 +110,17 @@ class ElasticMemory:
         self._streak = self._streak + 1 if short else 0
 
     def should_expand(self) -> bool:
-        return (self.state is DraftState.RESIDENT and not self.expanded
-                and self._streak >= self.persist_steps)
+        return self.state is DraftState.RESIDENT and self._streak >= self.persist_steps
 
     def should_contract(self, num_free: int, num_waiting: int) -> bool:
         return (self.expanded and num_waiting == 0
                 and num_free > self.num_extension + self.tau_low)
 
     def expanded_now(self) -> None:
-        self.state, self.expanded, self._streak = DraftState.OFFLOADED, True, 0
+        self.state, self._streak = DraftState.OFFLOADED, 0
 
     def contracted_now(self) -> None:
-        self.state, self.expanded = DraftState.RELOADING, False
+        self.state = DraftState.RELOADING
 
     def reloaded_now(self) -> None:
         self.state = DraftState.RESIDENT

@@ -115,7 +115,7 @@ class LLMEngine:
         self.runner = runner_cls(target, draft, self.rc, self.gamma_buckets, kv_dtype,
                                  signals=self.policy.signals if draft is not None else (),
                                  draft_stats=self.policy.wants_draft_stats)
-        self.target, self.draft = target, draft
+        self.target = target
         self.metrics = EngineMetrics(max_gamma=self.max_gamma)
         self.eos_token_ids = set(target.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -289,6 +289,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ elastic memory
     @property
+    def draft(self) -> LoadedModel | None:
+        """The draft model (None without one); while elastic memory has it offloaded, its
+        params are the host copy. The runner holds it: offload and reload replace it there."""
+        return self.runner.draft
+
+    @property
     def draft_resident(self) -> bool:
         """Whether the draft can run this step (False while elastic memory has it offloaded or
         its reload is still in flight)."""
@@ -300,7 +306,6 @@ class LLMEngine:
         e, bm = self.elastic, self.block_manager
         if e.state is DraftState.RELOADING and self.runner.draft_ready():
             e.reloaded_now()
-            self.draft = self.runner.draft
             self.metrics.draft_reload_time += time.perf_counter() - self._reload_started
         if e.should_expand():
             self._expand()
@@ -310,7 +315,6 @@ class LLMEngine:
     def _expand(self) -> None:
         t0 = time.perf_counter()
         self.runner.offload_draft()
-        self.draft = self.runner.draft
         self.block_manager.expand()
         # the draft's K/V went with it: after the reload it catches up from the first token
         for seq in self.scheduler.running:
