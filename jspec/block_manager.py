@@ -15,9 +15,10 @@ the free list and nothing moves, because the stale K/V left in a kept block sits
 every live query and attention masks it by position.
 
 Elastic pool (Nightjar §5, ``jspec/elastic.py``): the ids ``num_base_blocks .. num_blocks - 1``
-are the *extension*. They exist from the start (one pool shape, so nothing recompiles) but are
-reserved, outside the free list, until :meth:`expand` hands them out; :meth:`contraction_plan`
-and :meth:`contract` move every live block out of the extension again and take it back.
+are the *extension*: one numbering with the base, though on the device they live in a second
+array allocated only while the pool is expanded (``pallas_kernels.segments``). They are reserved,
+outside the free list, until :meth:`expand` hands them out; :meth:`contraction_plan` and
+:meth:`contract` move every live block out of the extension again and take it back.
 
 Free-list policy: lowest free block id first (a min-heap). Keeping live blocks packed at low ids
 means that an expanded pool uses the extension only once the base is full, and contraction has as

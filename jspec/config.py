@@ -129,8 +129,17 @@ class ResolvedConfig:
         raise ValueError(f"{n} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens}")
 
 
-def resolve(config: EngineConfig, target_max_positions: int, kv_bytes_per_block: int
-            ) -> ResolvedConfig:
+# share of an accelerator's free memory (after the weights are loaded) the KV pools may take when
+# no size is given; the rest is headroom for activations, logits and XLA's scratch
+DEVICE_MEMORY_FRACTION = 0.9
+
+
+def resolve(config: EngineConfig, target_max_positions: int, kv_bytes_per_block: int,
+            device_free_bytes: int | None = None) -> ResolvedConfig:
+    """``device_free_bytes``: the accelerator's free memory (``jspec.platform.device_free_bytes``,
+    None on CPU); with neither ``num_kv_blocks`` nor ``kv_cache_memory_bytes`` the pool takes
+    ``DEVICE_MEMORY_FRACTION`` of it, capped at what ``max_num_seqs`` full-length sequences
+    need."""
     lookahead = config.num_speculative_tokens
     max_model_len = config.max_model_len or min(target_max_positions, 4096)
     if max_model_len > target_max_positions:
@@ -160,6 +169,13 @@ def resolve(config: EngineConfig, target_max_positions: int, kv_bytes_per_block:
                              f"than 2 KV blocks of {kv_bytes_per_block} bytes")
     else:
         num_blocks = config.max_num_seqs * pages_per_seq + 1
+        if device_free_bytes is not None:
+            fits = int(device_free_bytes * DEVICE_MEMORY_FRACTION) // kv_bytes_per_block
+            if fits < 2:
+                raise ValueError(f"the device has {device_free_bytes} bytes free after loading "
+                                 f"the models: fewer than 2 KV blocks of {kv_bytes_per_block} "
+                                 "bytes; use smaller models or set num_kv_blocks")
+            num_blocks = min(num_blocks, fits)
     seq_buckets = []
     # from 1 row: at B = 1 a 2-row bucket verified twice the tokens it needed (10 instead of 5
     # at γ = 4) and measured ~30% slower end to end (docs/benchmarks.md, "Against PyTorch")

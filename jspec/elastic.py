@@ -4,18 +4,24 @@ and give its memory to the target's KV pool; when load falls, take it back and r
 This module holds the host-side part: how many target blocks the draft's memory is worth, and the
 controller that decides when to expand and when to contract (§5.1). The mechanics live where the
 state lives: ``BlockManager.expand`` / ``contraction_plan`` / ``contract`` (block ids),
-``ModelRunner.offload_draft`` / ``migrate_blocks`` / ``reload_draft`` (device memory), and
-``LLMEngine`` ties them together once per step.
+``ModelRunner.offload_draft`` / ``expand_target_pool`` / ``contract_target_pool`` /
+``reload_draft`` (device memory), and ``LLMEngine`` ties them together once per step.
 
-One pool shape. The target's KV pool is allocated with the extension's blocks from the start and
-the block manager keeps them out of the free list until the pool expands, so no executable is
-ever compiled for a second pool shape and the expansion moves nothing (§5.2: "in-place
-expansion"). The draft's own KV pool covers the base blocks only: the draft never runs while the
-extension is in use, and contraction moves every live block below it before the draft returns.
-The price: on an accelerator the extension's bytes are allocated all along, so there the trade is
-an accounting one (the budget counts the extension as the draft's), not bytes handed from one
-buffer to another; a two-segment pool (attention reading a base and an extension array) would
-make it physical and is not built. On the CPU backend the budget is an accounting limit anyway.
+A two-segment pool. The memory really changes hands: on expansion the draft's weights go to
+host memory and its KV pool is deleted, and only then is the extension allocated, as a second
+array beside the target's base pool (``pallas_kernels.segments``); on contraction the live
+extension blocks are migrated into free base blocks, the extension array is deleted, and only
+then is the draft reloaded. The device bytes of (target KV, draft weights, draft KV) never exceed
+what the engine started with (tests/test_elastic.py counts them, and every live device array).
+The base never moves (§5.2: "in-place expansion": growing one array would mean holding the old
+and the new pool at once). Block ids keep one numbering: the extension's blocks follow the
+base's, the block manager keeps them out of the free list until the pool expands, and only the
+K/V reads and writes split by segment. The executables for the expanded shape (γ = 0 only: the
+draft is away), the extension's allocation and the cross-segment migration are compiled at
+warm-up, so a cycle compiles nothing. The draft's own KV pool covers the base blocks only: the
+draft never runs while the extension is in use, and contraction empties it before the draft
+returns. On the CPU backend "device" and host memory are the same RAM, so there the budget is an
+accounting limit; the code path is the same.
 
 What the draft frees. Its weights and its KV pool: in this engine a KV block holds the target's
 and the draft's K/V for the same token slots (one block manager, one page table per sequence), so

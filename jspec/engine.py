@@ -25,6 +25,7 @@ from jspec.engine_info import EngineLimits, EngineStats
 from jspec.jsonfile import read_json
 from jspec.metrics import EngineMetrics
 from jspec.outputs import RequestOutput, SpecStats
+from jspec.platform import device_free_bytes
 from jspec.runner import LoadedModel, ModelRunner
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler import Scheduler, SchedulerConfig
@@ -80,8 +81,10 @@ class LLMEngine:
         target_block_bytes = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
         draft_block_bytes = (KVCache.bytes_per_block(draft.cfg, config.block_size, kv_dtype)
                              if draft is not None else 0)
+        # on an accelerator the pool is sized from the memory left once the weights are loaded
+        free = device_free_bytes() if config.num_kv_blocks is None else None
         self.rc = resolve(config, target.cfg.max_position_embeddings,
-                          target_block_bytes + draft_block_bytes)
+                          target_block_bytes + draft_block_bytes, free)
         self.elastic: ElasticMemory | None = None
         self._reload_started = 0.0
         if config.elastic_memory:
@@ -315,6 +318,7 @@ class LLMEngine:
     def _expand(self) -> None:
         t0 = time.perf_counter()
         self.runner.offload_draft()
+        self.runner.expand_target_pool()
         self.block_manager.expand()
         # the draft's K/V went with it: after the reload it catches up from the first token
         for seq in self.scheduler.running:
@@ -329,7 +333,7 @@ class LLMEngine:
         moves = bm.contraction_plan()
         if moves is None:  # cannot happen while free > extension + τ_low; wait if it does
             return
-        self.runner.migrate_blocks(moves)
+        self.runner.contract_target_pool(moves)
         bm.contract(moves)
         jax.block_until_ready(self.runner.target_kv)
         t1 = time.perf_counter()
@@ -672,4 +676,5 @@ class LLMEngine:
                            num_waiting=self.scheduler.num_waiting, kv_blocks_total=total,
                            kv_blocks_used=total - free, kv_blocks_free=free,
                            draft_resident=self.draft_resident,
+                           device_memory_bytes=self.runner.device_bytes(),
                            metrics=self.metrics.as_dict())

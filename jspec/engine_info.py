@@ -57,6 +57,9 @@ class EngineStats:
     kv_blocks_used: int  # held by sequences
     kv_blocks_free: int
     draft_resident: bool  # the draft model's weights are on the device
+    # device bytes by part (target_params, target_kv, draft_params, draft_kv): what elastic
+    # memory trades, the draft's two against the target pool's extension
+    device_memory_bytes: dict[str, int]
     metrics: dict[str, Any]  # EngineMetrics.as_dict(): counters since the engine was built
 
     @property

@@ -137,3 +137,18 @@ def warn_if_slow_cpu_bf16(dtype: str, stacklevel: int = 2) -> bool:
     _warned_slow_bf16 = True
     warnings.warn(slow_cpu_bf16_message(), CPUBFloat16Warning, stacklevel=stacklevel + 1)
     return True
+
+
+def device_free_bytes(device=None) -> int | None:
+    """Free memory of an accelerator (its allocator's limit minus what is in use), or None where
+    the backend does not report one (XLA:CPU)."""
+    import jax
+
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without allocator statistics
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))

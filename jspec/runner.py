@@ -121,17 +121,16 @@ class ModelRunner:
         self.draft_stats = bool(draft_stats)
         self.kernel_backend = kernel_backend.resolve(rc.engine.kernel_backend)
         self._attn = kernel_backend.attention_fn(self.kernel_backend)
-        # the target's pool holds the elastic extension's blocks too (jspec/elastic.py: one pool
-        # shape); the draft's covers the base only, since it never runs while they are in use
-        self.target_kv = KVCache.create(target.cfg, rc.num_kv_blocks + rc.num_extension_blocks,
-                                        rc.engine.block_size, kv_dtype)
+        # the base pools; elastic memory adds the target's extension segment while the draft
+        # is offloaded (expand_target_pool) and drops it at contraction (jspec/elastic.py)
+        self.target_kv = KVCache.create(target.cfg, rc.num_kv_blocks, rc.engine.block_size,
+                                        kv_dtype)
         self.draft_kv = (KVCache.create(draft.cfg, rc.num_kv_blocks, rc.engine.block_size,
                                         kv_dtype) if draft is not None else None)
         self.draft_resident = draft is not None
         self._draft_host = None  # the draft's params in host memory, once offloaded
         self._draft_shardings = None
         self._local: dict[tuple, Any] = {}
-        self._migrate = None
         # migration plans run in chunks of one padded size: one compile, done at warm-up
         self.migrate_bucket = min(256, 1 << (max(16, rc.num_extension_blocks) - 1).bit_length())
         self.num_compiled = 0  # executables this runner had to build (not found in the cache)
@@ -198,11 +197,31 @@ class ModelRunner:
             counters=jax.ShapeDtypeStruct(s, jnp.int32),
         )
 
-    def verify_executable(self, num_tokens: int, num_seqs: int, gamma: int):
+    @property
+    def pool_expanded(self) -> bool:
+        """Whether the target's pool has its elastic extension segment now."""
+        return self.target_kv.num_segments > 1
+
+    def _target_kv_spec(self, expanded: bool) -> KVCache:
+        """Shapes of the target's pool, base only or base + extension (``expanded``)."""
+        cfg, bs = self.target.cfg, self.rc.engine.block_size
+
+        def seg(n):
+            return jax.ShapeDtypeStruct((cfg.num_layers, n, bs, cfg.num_kv_heads, cfg.head_dim),
+                                        self.kv_dtype)
+
+        if not expanded:
+            return KVCache(seg(self.rc.num_kv_blocks), seg(self.rc.num_kv_blocks))
+        segs = (seg(self.rc.num_kv_blocks), seg(self.rc.num_extension_blocks))
+        return KVCache(segs, segs)
+
+    def verify_executable(self, num_tokens: int, num_seqs: int, gamma: int,
+                          expanded: bool = False):
         """The target forward over a ragged batch; with γ > 0 the drafted tokens are scattered
-        into their placeholder slots on device first. γ = 0 takes no draft arguments at all."""
+        into their placeholder slots on device first. γ = 0 takes no draft arguments at all.
+        ``expanded``: over the pool with its elastic extension (γ = 0 only)."""
         def build():
-            specs = [_spec(self.target.params), _spec(self.target_kv),
+            specs = [_spec(self.target.params), self._target_kv_spec(expanded),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1))]
             if gamma:
                 fn = functools.partial(device_steps.verify_forward, cfg=self.target.cfg,
@@ -213,9 +232,10 @@ class ModelRunner:
                                        attention_fn=self._attn)
             return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
-        return self._executable(("verify", num_tokens, num_seqs, gamma), self.target, build)
+        return self._executable(("verify", num_tokens, num_seqs, gamma, expanded), self.target,
+                                build)
 
-    def verify_accept_executable(self, num_seqs: int, gamma: int):
+    def verify_accept_executable(self, num_seqs: int, gamma: int, expanded: bool = False):
         """A decode-only step (num_seqs * (1 + γ) tokens): forward and sampling in one call."""
         num_tokens = num_seqs * (1 + gamma)
 
@@ -223,7 +243,7 @@ class ModelRunner:
             vocab = self.target.cfg.vocab_size
             fn = functools.partial(device_steps.verify_and_accept, cfg=self.target.cfg,
                                    attention_fn=self._attn)
-            specs = [_spec(self.target.params), _spec(self.target_kv),
+            specs = [_spec(self.target.params), self._target_kv_spec(expanded),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs)]
             if gamma:
@@ -233,7 +253,8 @@ class ModelRunner:
                           jax.ShapeDtypeStruct((num_seqs,), jnp.int32)]
             return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
-        return self._executable(("verify_accept", num_seqs, gamma), self.target, build)
+        return self._executable(("verify_accept", num_seqs, gamma, expanded), self.target,
+                                build)
 
     def accept_executable(self, num_seqs: int, gamma: int):
         """Rejection sampling (γ > 0) or plain sampling (γ = 0) of the verify logits."""
@@ -321,7 +342,8 @@ class ModelRunner:
     def run_verify_forward(self, batch: ModelInput, draft_tokens, draft_slots, gamma: int):
         """Target logits [S*(γ+1), V] of the verify batch (stays on device)."""
         num_seqs = batch.attn.kv_lens.shape[0]
-        forward = self.verify_executable(batch.input_ids.shape[0], num_seqs, gamma)
+        forward = self.verify_executable(batch.input_ids.shape[0], num_seqs, gamma,
+                                         self.pool_expanded)
         args = (draft_tokens, draft_slots) if gamma else ()
         logits, self.target_kv = forward(self.target.params, self.target_kv, batch, *args)
         return logits
@@ -330,7 +352,7 @@ class ModelRunner:
                           num_drafted, st: SamplingTensors, gamma: int):
         """A decode-only step's verification: (VerifyResult, logits), both on device."""
         num_seqs = batch.attn.kv_lens.shape[0]
-        exe = self.verify_accept_executable(num_seqs, gamma)
+        exe = self.verify_accept_executable(num_seqs, gamma, self.pool_expanded)
         drafts = (draft_tokens, draft_slots, draft_logits, num_drafted) if gamma else ()
         result, logits, self.target_kv = exe(self.target.params, self.target_kv, batch, st,
                                              *drafts)
@@ -371,28 +393,57 @@ class ModelRunner:
         exe = self.catch_up_executable(batch.input_ids.shape[0])
         self.draft_kv = exe(self.draft.params, self.draft_kv, batch)
 
+    def migrate_executable(self, expanded: bool):
+        """One chunk of a migration plan (``migrate_bucket`` pairs) over the target's pool and,
+        unexpanded, the draft's; expanded (the contraction's case) the target's two segments
+        only, since the draft is offloaded then."""
+        def build():
+            fn = kernel_backend.migration_fn(self.kernel_backend)
+            pairs = jax.ShapeDtypeStruct((self.migrate_bucket, 2), jnp.int32)
+            spec = self._target_kv_spec(expanded)
+            return compile_lowered(fn.lower(spec.k, spec.v, pairs))
+
+        return self._executable(("migrate", self.migrate_bucket, expanded), self.target, build)
+
+    def extension_executable(self):
+        """Allocates the target's (zeroed) extension segments, K and V."""
+        def build():
+            ext = self._target_kv_spec(True).k[1]
+            fn = lambda: (jnp.zeros(ext.shape, ext.dtype), jnp.zeros(ext.shape, ext.dtype))
+            return compile_lowered(jax.jit(fn).lower())
+
+        return self._executable(("extension",), self.target, build)
+
+    def _draft_migrate_executable(self):
+        def build():
+            fn = kernel_backend.migration_fn(self.kernel_backend)
+            pairs = jax.ShapeDtypeStruct((self.migrate_bucket, 2), jnp.int32)
+            spec = _spec(self.draft_kv)
+            return compile_lowered(fn.lower(spec.k, spec.v, pairs))
+
+        return self._executable(("migrate", self.migrate_bucket), self.draft, build)
+
     def migrate_blocks(self, pairs) -> int:
-        """Copy KV blocks (src, dst) in every pool this runner holds (the target's, and the
-        draft's while it is resident), in place. Destinations must be free blocks (validated
-        here: ``pallas_kernels.kv_migration.validate_pairs``); the caller rewrites its page
-        tables. Plans run in chunks of ``migrate_bucket`` pairs, padded with null pairs, so one
-        compiled size serves every plan."""
+        """Copy KV blocks (src, dst) in every pool this runner holds (the target's, segments
+        and all, and the draft's while it is resident), in place. Destinations must be free
+        blocks (validated here: ``pallas_kernels.kv_migration.validate_pairs``); the caller
+        rewrites its page tables. Plans run in chunks of ``migrate_bucket`` pairs, padded with
+        null pairs, so one compiled size serves every plan."""
         num_blocks = self.target_kv.num_blocks
         if self.draft_kv is not None:
             num_blocks = min(num_blocks, self.draft_kv.num_blocks)
         pairs = validate_pairs(pairs, num_blocks)
         if not len(pairs):
             return 0
-        if self._migrate is None:
-            self._migrate = kernel_backend.migration_fn(self.kernel_backend)
         bucket = self.migrate_bucket
+        target_exe = self.migrate_executable(self.pool_expanded)
         for start in range(0, len(pairs), bucket):
-            padded = jnp.asarray(pad_pairs(pairs[start:start + bucket], bucket))
-            k, v = self._migrate(self.target_kv.k, self.target_kv.v, padded)
-            self.target_kv = KVCache(k, v)
+            # numpy straight in: jnp.asarray would compile a 'stage' per new shape (jax 0.10)
+            padded = pad_pairs(pairs[start:start + bucket], bucket)
+            self.target_kv = KVCache(*target_exe(self.target_kv.k, self.target_kv.v, padded))
             if self.draft_kv is not None:
-                k, v = self._migrate(self.draft_kv.k, self.draft_kv.v, padded)
-                self.draft_kv = KVCache(k, v)
+                exe = self._draft_migrate_executable()
+                self.draft_kv = KVCache(*exe(self.draft_kv.k, self.draft_kv.v, padded))
         return len(pairs)
 
     def sync_draft(self) -> None:
@@ -421,6 +472,46 @@ class ModelRunner:
             arr.delete()
         self.draft_kv = None
         self.draft_resident = False
+
+    def expand_target_pool(self) -> None:
+        """Add the extension segment to the target's pool (after ``offload_draft``: it is
+        allocated from the memory the draft gave back). Nothing is copied: the base segment
+        stays where it is and block ids above it now address the extension."""
+        if self.pool_expanded:
+            raise RuntimeError("the target's KV pool is already expanded")
+        if self.draft_resident:
+            raise RuntimeError("offload the draft before expanding the pool into its memory")
+        k_ext, v_ext = self.extension_executable()()
+        self.target_kv = KVCache((self.target_kv.k, k_ext), (self.target_kv.v, v_ext))
+
+    def contract_target_pool(self, pairs) -> int:
+        """Move the live blocks ``pairs`` (extension -> free base block, the block manager's
+        ``contraction_plan``) and drop the extension segment, freeing its memory for the
+        draft's reload. Returns the number of blocks moved."""
+        if not self.pool_expanded:
+            raise RuntimeError("the target's KV pool is not expanded")
+        pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+        if len(pairs) and pairs[:, 1].max() >= self.rc.num_kv_blocks:
+            raise ValueError("contraction moves blocks into the base segment only")
+        moved = self.migrate_blocks(pairs)
+        (k, k_ext), (v, v_ext) = self.target_kv.k, self.target_kv.v
+        self.target_kv = KVCache(k, v)
+        for arr in (k_ext, v_ext):
+            arr.delete()
+        return moved
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes this runner holds in device memory, by part: what elastic memory trades
+        (the draft's weights and KV pool against the target's extension segment)."""
+        def nbytes(tree):  # host copies (pinned_host arrays, numpy) do not count
+            return sum(a.nbytes for a in jax.tree_util.tree_leaves(tree)
+                       if isinstance(a, jax.Array)
+                       and a.sharding.memory_kind in (None, "device"))
+
+        return {"target_params": nbytes(self.target.params),
+                "target_kv": nbytes(self.target_kv),
+                "draft_params": nbytes(self.draft.params) if self.draft is not None else 0,
+                "draft_kv": nbytes(self.draft_kv)}
 
     def reload_draft(self) -> None:
         """Start copying the draft's weights back and allocate its (empty) KV pool; returns at
@@ -453,7 +544,8 @@ class ModelRunner:
         tokens, the draft loop (g > 0) and the policy's signals if it reads any. Steps that
         carry prefill, at the widest row bucket: a verify per (token bucket t, g) and a
         sampling per g (g = 0 only when one sequence runs at a time). Draft catch-up: two
-        widths (``catch_up_buckets``) at the widest row bucket.
+        widths (``catch_up_buckets``) at the widest row bucket. With elastic memory, the γ = 0
+        verifies again over the expanded pool's shape, and the contraction's migration.
         """
         rc = self.rc
         drafting = [g for g in self.gamma_buckets if g > 0] if self.draft is not None else []
@@ -471,6 +563,12 @@ class ModelRunner:
         plan += [("accept", widest, g) for g in mixed]
         if drafting:
             plan += [("catch_up", t) for t in self.catch_up_buckets]
+        if rc.num_extension_blocks:
+            # elastic memory: the pool with its extension runs γ = 0 only (the draft is away),
+            # and the contraction's migration moves blocks between its two segments
+            plan += [("verify_accept", s, 0, True) for s in rc.seq_buckets]
+            plan += [("verify", t, widest, 0, True) for t in rc.token_buckets]
+            plan += [("extension",), ("migrate", True)]
         return list(dict.fromkeys(plan))  # a decode shape may equal a prefill one
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -480,7 +578,4 @@ class ModelRunner:
             getattr(self, f"{kind}_executable")(*shape)
             if progress is not None:
                 progress(i + 1, len(plan))
-        if self.rc.num_extension_blocks:
-            # the contraction's migration, compiled now: a plan of null pairs copies nothing
-            self.migrate_blocks(np.zeros((1, 2), np.int32))
         return len(plan)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from pallas_kernels import segments
 from pallas_kernels.pytree import array_dataclass
 from pallas_kernels.ragged_paged_attention import (
     AttentionMetadata,
@@ -29,18 +30,24 @@ AttentionFn = Callable[..., jax.Array]
 
 @array_dataclass
 class KVCache:
-    """A model's paged KV pool: k and v are [layers, num_blocks, block_size, kv_heads, head_dim]."""
+    """A model's paged KV pool: k and v are [layers, num_blocks, block_size, kv_heads, head_dim],
+    or tuples of such segments whose blocks number on (``pallas_kernels.segments``: the target's
+    pool while elastic memory has it expanded)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: segments.Pool
+    v: segments.Pool
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1]
+        return segments.num_blocks(self.k)
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[2]
+        return segments.segments(self.k)[0].shape[2]
+
+    @property
+    def num_segments(self) -> int:
+        return len(segments.segments(self.k))
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> "KVCache":
@@ -163,7 +170,7 @@ def forward(
     """
     md = batch.attn
     num_tokens = batch.input_ids.shape[0]
-    block_size = kv.k.shape[2]
+    block_size = kv.block_size
     x = params["embed"][batch.input_ids].astype(params["embed"].dtype)
     cos, sin = rope_tables(md.positions, cfg)
 
@@ -183,8 +190,8 @@ def forward(
         def attend(q, k, v):
             # write this layer's new K/V first, then attend over everything in the pool
             nonlocal k_pool, v_pool
-            k_pool = k_pool.at[i, blocks, offsets].set(k.astype(k_pool.dtype))
-            v_pool = v_pool.at[i, blocks, offsets].set(v.astype(v_pool.dtype))
+            k_pool = segments.write_slots(k_pool, i, blocks, offsets, k)
+            v_pool = segments.write_slots(v_pool, i, blocks, offsets, v)
             return attention_fn(q, k_pool, v_pool, i, md, sm_scale=sm_scale,
                                 sliding_window=cfg.sliding_window)
 

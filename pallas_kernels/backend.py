@@ -114,10 +114,12 @@ def attention_fn(backend: str) -> Callable:
 
 
 def migration_fn(backend: str) -> Callable:
-    """``f(k_pool, v_pool, pairs) -> (k_pool, v_pool)`` for a resolved backend (validate the
-    pairs with ``kv_migration.validate_pairs`` first)."""
+    """``f(k_pool, v_pool, pairs) -> (k_pool, v_pool)`` for a resolved backend, jitted with the
+    pools donated; pools may be segmented (``pallas_kernels.segments``). Validate the pairs with
+    ``kv_migration.validate_pairs`` first."""
     if backend == "reference":
         return jax.jit(kv_migration.migrate_blocks_reference, donate_argnums=(0, 1))
     if backend in ("interpret", "pallas"):
-        return functools.partial(kv_migration.migrate_blocks, interpret=backend == "interpret")
+        return jax.jit(functools.partial(kv_migration.migrate_blocks_kernel,
+                                         interpret=backend == "interpret"), donate_argnums=(0, 1))
     raise ValueError(f"migration for backend {backend!r}: resolve() it first")

@@ -17,8 +17,11 @@ equals the destination are allowed only as the padding pair (0, 0): block 0 is t
 block, which no sequence owns, so copying it onto itself changes nothing that matters.
 
 Pool layout (as in ``models.transformer.KVCache``): [layers, num_blocks, block_size, kv_heads,
-head_dim]. The kernel views one block of one layer as a flat row and copies it in chunks of a
-power-of-two length (GPU blocks must be), one grid step per pair.
+head_dim], or a tuple of such segments numbering their blocks on (``pallas_kernels.segments``):
+elastic memory's contraction moves blocks from the extension segment into the base one, after
+which the extension is dropped. The kernel views one block of one layer as a flat row and copies
+it in chunks of a power-of-two length (GPU blocks must be), one grid step per pair, reading from
+the segment that holds the source and writing to the one that holds the destination.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from pallas_kernels import segments as seg
 
 
 def validate_pairs(pairs: Sequence[tuple[int, int]] | np.ndarray, num_blocks: int) -> np.ndarray:
@@ -75,11 +80,12 @@ def compaction_plan(owned_blocks: Sequence[int], new_num_blocks: int) -> list[tu
     return [(b, next(free_low)) for b in owned if b >= new_num_blocks]
 
 
-def migrate_blocks_reference(k_pool: jax.Array, v_pool: jax.Array, pairs: jax.Array
-                             ) -> tuple[jax.Array, jax.Array]:
+def migrate_blocks_reference(k_pool: seg.Pool, v_pool: seg.Pool, pairs: jax.Array
+                             ) -> tuple[seg.Pool, seg.Pool]:
     """Pure-jnp reference: pools with ``pool[:, dst] = pool[:, src]`` for every (src, dst)."""
     src, dst = pairs[:, 0], pairs[:, 1]
-    return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
+    return (seg.write_blocks(k_pool, dst, seg.read_blocks(k_pool, src)),
+            seg.write_blocks(v_pool, dst, seg.read_blocks(v_pool, src)))
 
 
 def _chunk(row: int, limit: int = 4096) -> int:
@@ -90,44 +96,75 @@ def _chunk(row: int, limit: int = 4096) -> int:
     return c
 
 
-def _migrate_kernel(pairs_ref, k_in, v_in, k_out, v_out, *, num_layers: int, row: int,
-                    chunk: int):
-    del k_in, v_in  # aliased with k_out / v_out: same buffers
+def _migrate_kernel(pairs_ref, *refs, num_layers: int, row: int, chunk: int,
+                    num_segments: int):
+    # refs: K and V segments in, then the same out (aliased: the same buffers)
+    k_out = refs[2 * num_segments:3 * num_segments]
+    v_out = refs[3 * num_segments:]
     i = pl.program_id(0)
     src = pairs_ref[i, 0]
     dst = pairs_ref[i, 1]
+    n0 = k_out[0].shape[1]
+
+    def read(segs, layer, block, off):
+        if num_segments == 1:
+            return segs[0][layer, block, pl.ds(off, chunk)]
+        return jax.lax.cond(block < n0, lambda: segs[0][layer, block, pl.ds(off, chunk)],
+                            lambda: segs[1][layer, block - n0, pl.ds(off, chunk)])
+
+    def write(segs, layer, block, off, value):
+        if num_segments == 1:
+            segs[0][layer, block, pl.ds(off, chunk)] = value
+            return
+
+        @pl.when(block < n0)
+        def _():
+            segs[0][layer, block, pl.ds(off, chunk)] = value
+
+        @pl.when(block >= n0)
+        def _():
+            segs[1][layer, block - n0, pl.ds(off, chunk)] = value
 
     def copy(step, carry):
         layer = step // (row // chunk)
         off = (step % (row // chunk)) * chunk
-        k_out[layer, dst, pl.ds(off, chunk)] = k_out[layer, src, pl.ds(off, chunk)]
-        v_out[layer, dst, pl.ds(off, chunk)] = v_out[layer, src, pl.ds(off, chunk)]
+        write(k_out, layer, dst, off, read(k_out, layer, src, off))
+        write(v_out, layer, dst, off, read(v_out, layer, src, off))
         return carry
 
     jax.lax.fori_loop(0, num_layers * (row // chunk), copy, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
-def migrate_blocks(k_pool: jax.Array, v_pool: jax.Array, pairs: jax.Array, *,
-                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The kernel: copy every (src, dst) pair of ``pairs`` [n, 2] int32, all layers, K and V, in
-    one launch, in place (the pools are donated and aliased to the outputs). Validate the plan
-    with ``validate_pairs`` first; the kernel trusts it."""
-    num_layers, num_blocks = k_pool.shape[:2]
-    row = int(np.prod(k_pool.shape[2:]))
+def migrate_blocks_kernel(k_pool: seg.Pool, v_pool: seg.Pool, pairs: jax.Array, *,
+                          interpret: bool = False) -> tuple[seg.Pool, seg.Pool]:
+    """The kernel, unjitted (``migrate_blocks`` is it jitted with the pools donated): copy every
+    (src, dst) pair of ``pairs`` [n, 2] int32, all layers, K and V, in one launch, in place (the
+    outputs alias the pools). Validate the plan with ``validate_pairs`` first; it is trusted."""
+    k_segs, v_segs = seg.segments(k_pool), seg.segments(v_pool)
+    nseg = len(k_segs)
+    if nseg > 2:
+        raise ValueError(f"migration handles a pool of one or two segments, not {nseg}")
+    num_layers = k_segs[0].shape[0]
+    row = int(np.prod(k_segs[0].shape[2:]))
     chunk = _chunk(row)
-    k_flat = k_pool.reshape(num_layers, num_blocks, row)
-    v_flat = v_pool.reshape(num_layers, num_blocks, row)
-    kernel = functools.partial(_migrate_kernel, num_layers=num_layers, row=row, chunk=chunk)
-    k_new, v_new = pl.pallas_call(
+    flat = [a.reshape(a.shape[0], a.shape[1], row) for a in (*k_segs, *v_segs)]
+    kernel = functools.partial(_migrate_kernel, num_layers=num_layers, row=row, chunk=chunk,
+                               num_segments=nseg)
+    out = pl.pallas_call(
         kernel,
         grid=(pairs.shape[0],),
-        in_specs=[pl.no_block_spec] * 3,
-        out_specs=[pl.no_block_spec] * 2,
-        out_shape=[jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype),
-                   jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)],
-        input_output_aliases={1: 0, 2: 1},
+        in_specs=[pl.no_block_spec] * (1 + 2 * nseg),
+        out_specs=[pl.no_block_spec] * (2 * nseg),
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat],
+        input_output_aliases={1 + j: j for j in range(2 * nseg)},
         interpret=interpret,
         name="kv_migration",
-    )(pairs.astype(jnp.int32), k_flat, v_flat)
-    return k_new.reshape(k_pool.shape), v_new.reshape(v_pool.shape)
+    )(pairs.astype(jnp.int32), *flat)
+    out = [o.reshape(a.shape) for o, a in zip(out, (*k_segs, *v_segs))]
+    if nseg == 1:
+        return out[0], out[1]
+    return tuple(out[:nseg]), tuple(out[nseg:])
+
+
+migrate_blocks = jax.jit(migrate_blocks_kernel, static_argnames=("interpret",),
+                         donate_argnums=(0, 1))

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import segments as seg
 from pallas_kernels.pytree import array_dataclass
 
 _MASKED = -1e30  # finite, so fully masked chunks never produce inf - inf
@@ -84,12 +85,13 @@ def ragged_paged_attention_reference(
     """Pure-jnp reference.
 
     q:       [T, num_heads, head_dim]
-    k_pool:  [layers, num_blocks, block_size, kv_heads, head_dim] (v_pool alike)
+    k_pool:  [layers, num_blocks, block_size, kv_heads, head_dim] (v_pool alike), or a tuple
+             of such segments numbering their blocks on (``pallas_kernels.segments``)
     layer:   which layer of the stacked pools to read
     returns  [T, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
-    block_size, kv_heads = k_pool.shape[2], k_pool.shape[3]
+    block_size, kv_heads = seg.segments(k_pool)[0].shape[2:4]
     group = num_heads // kv_heads
     page_table, chunk_pages, chunk = _page_chunks(md.page_table, block_size, chunk_pages)
     token_seq = token_sequence_ids(md.cu_q_lens, num_tokens)
@@ -101,8 +103,10 @@ def ragged_paged_attention_reference(
         tok_pages = pages[token_seq]  # [T, chunk_pages]
         # one gather indexed by (layer, page): slicing the layer out first (k_pool[layer])
         # materialises a copy of that layer's whole pool on XLA:CPU, every layer, every step
-        k = k_pool[layer, tok_pages].reshape(num_tokens, chunk, kv_heads, head_dim)
-        v = v_pool[layer, tok_pages].reshape(num_tokens, chunk, kv_heads, head_dim)
+        k = seg.read_blocks(k_pool, tok_pages, layer)
+        v = seg.read_blocks(v_pool, tok_pages, layer)
+        k = k.reshape(num_tokens, chunk, kv_heads, head_dim)
+        v = v.reshape(num_tokens, chunk, kv_heads, head_dim)
         mask = _causal_mask(c * chunk + jnp.arange(chunk, dtype=jnp.int32), q_pos,
                             sliding_window)[:, None, None, :]
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k.astype(jnp.float32))
@@ -203,7 +207,7 @@ def ragged_paged_attention_tiled(
         return ragged_paged_attention_reference(q, k_pool, v_pool, layer, md, sm_scale=sm_scale,
                                                 sliding_window=sliding_window,
                                                 chunk_pages=chunk_pages)
-    block_size, kv_heads = k_pool.shape[2], k_pool.shape[3]
+    block_size, kv_heads = seg.segments(k_pool)[0].shape[2:4]
     group = num_heads // kv_heads
     page_table, chunk_pages, chunk = _page_chunks(md.page_table, block_size, chunk_pages)
     tile_seq, tile_q_start, _, _, token_tile, token_row = _tile_plan(
@@ -220,8 +224,9 @@ def ragged_paged_attention_tiled(
 
     def body(c, carry):
         pages = jax.lax.dynamic_slice_in_dim(tile_pages, c * chunk_pages, chunk_pages, axis=1)
-        k = k_pool[layer, pages].reshape(num_tiles, chunk, kv_heads, head_dim)  # no layer copy
-        v = v_pool[layer, pages].reshape(num_tiles, chunk, kv_heads, head_dim)
+        # indexed by (layer, page) at once: no copy of the layer (see the reference)
+        k = seg.read_blocks(k_pool, pages, layer).reshape(num_tiles, chunk, kv_heads, head_dim)
+        v = seg.read_blocks(v_pool, pages, layer).reshape(num_tiles, chunk, kv_heads, head_dim)
         mask = _causal_mask(c * chunk + jnp.arange(chunk, dtype=jnp.int32), q_pos,
                             sliding_window)[:, :, None, None, :]  # [tiles, qb, 1, 1, chunk]
         s = jnp.einsum("nqkgd,nckd->nqkgc", qf, k.astype(jnp.float32))
@@ -287,10 +292,25 @@ def _tile_plan(md: AttentionMetadata, num_tokens: int, q_block: int, block_size:
             token_tile, token_row)
 
 
+def _load_page(refs, layer, block, head):
+    """One page of one kv head, [block_size, D], from the pool segment that holds ``block``
+    (``pallas_kernels.segments``): a branch per page, so an expanded pool reads each page once."""
+    if len(refs) == 1:
+        return refs[0][layer, block, :, head, :]
+    base, ext = refs
+    n = base.shape[1]
+    return jax.lax.cond(block < n, lambda: base[layer, block, :, head, :],
+                        lambda: ext[layer, block - n, :, head, :])
+
+
 def _rpa_kernel(tile_seq_ref, tile_q_start_ref, first_page_ref, end_page_ref, page_table_ref,
-                layer_ref, row_pos_ref, q_ref, k_ref, v_ref, o_ref, *, q_block: int, group: int,
-                block_size: int, sliding_window: int | None, sm_scale: float):
-    """One (query tile, kv head): rows are (token, query head of the group), token-major."""
+                layer_ref, row_pos_ref, q_ref, *refs, q_block: int, group: int,
+                block_size: int, sliding_window: int | None, sm_scale: float,
+                num_segments: int):
+    """One (query tile, kv head): rows are (token, query head of the group), token-major.
+    ``refs`` are the K segments, the V segments and the output."""
+    k_refs, v_refs = refs[:num_segments], refs[num_segments:2 * num_segments]
+    o_ref = refs[-1]
     tile = pl.program_id(0)
     head = pl.program_id(1)
     rows = q_block * group
@@ -304,8 +324,8 @@ def _rpa_kernel(tile_seq_ref, tile_q_start_ref, first_page_ref, end_page_ref, pa
     def body(page, carry):
         m, l, acc = carry
         block = page_table_ref[seq, page]
-        k = k_ref[layer, block, :, head, :].astype(q.dtype)  # [block_size, D]
-        v = v_ref[layer, block, :, head, :]
+        k = _load_page(k_refs, layer, block, head).astype(q.dtype)  # [block_size, D]
+        v = _load_page(v_refs, layer, block, head)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)  # [rows, block_size]
         k_pos = page * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
@@ -349,7 +369,10 @@ def ragged_paged_attention(
     rows compute nothing anyone reads.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_layers, num_blocks, block_size, kv_heads, _ = k_pool.shape
+    k_segs, v_segs = seg.segments(k_pool), seg.segments(v_pool)
+    if len(k_segs) > 2:
+        raise ValueError(f"the kernel reads a pool of one or two segments, not {len(k_segs)}")
+    block_size, kv_heads = k_segs[0].shape[2:4]
     if num_heads % kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {kv_heads} kv heads")
     group = num_heads // kv_heads
@@ -369,18 +392,19 @@ def ragged_paged_attention(
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
     kernel = functools.partial(_rpa_kernel, q_block=q_block, group=gp, block_size=block_size,
-                               sliding_window=sliding_window, sm_scale=float(sm_scale))
+                               sliding_window=sliding_window, sm_scale=float(sm_scale),
+                               num_segments=len(k_segs))
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, kv_heads),
-        in_specs=[pl.no_block_spec] * 10,
+        in_specs=[pl.no_block_spec] * (8 + 2 * len(k_segs)),
         out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((num_tiles, kv_heads, rows, head_dim), q.dtype),
         interpret=interpret,
         compiler_params=compiler_params,
         name="ragged_paged_attention",
     )(tile_seq, tile_q_start, first_page, end_page, md.page_table.astype(jnp.int32), layer_arr,
-      row_pos, qg, k_pool, v_pool)
+      row_pos, qg, *k_segs, *v_segs)
     # tiles -> tokens: token t is row token_row[t] of tile token_tile[t]
     out = out.reshape(num_tiles, kv_heads, q_block, gp, head_dim)
     out = out[token_tile, :, token_row, :group, :]  # [T, kv_heads, group, D]

@@ -232,6 +232,12 @@ class _EngineCollector:
                      "the extension's too while the draft is offloaded)", stats.kv_blocks_total)
         yield _gauge("jspec_draft_resident", "1 while the draft model's weights are on the "
                      "device", int(stats.draft_resident))
+        parts = GaugeMetricFamily("jspec_device_memory_bytes", "Device memory held by the "
+                                  "models' weights and KV pools (elastic memory trades the "
+                                  "draft's for the target pool's extension)", labels=["part"])
+        for part, value in stats.device_memory_bytes.items():
+            parts.add_metric([part], value)
+        yield parts
         m = stats.metrics
         for name, doc, value in (
                 ("jspec_engine_preemptions", "Sequences preempted for KV memory",

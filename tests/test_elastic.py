@@ -301,3 +301,54 @@ def test_stats_and_limits_report_the_pool(elastic_engine):
     assert limits.num_kv_blocks == 23 and limits.num_kv_extension_blocks > 0
     assert engine.stats().kv_blocks_total == 23
     assert limits.kv_capacity_tokens == 23 * 16  # a request must fit without the extension
+
+
+def _device_bytes_live() -> int:
+    import gc
+
+    import jax
+
+    gc.collect()
+    return sum(a.nbytes for a in jax.live_arrays()
+               if not a.is_deleted() and a.sharding.memory_kind in (None, "device"))
+
+
+def test_expansion_hands_device_memory_over(engine_models):
+    """The trade is physical: the extension segment is allocated only once the draft's weights
+    and KV pool have left device memory, and dropped before they come back, so the device
+    bytes of (target KV, draft weights, draft KV) never exceed what the engine started with;
+    counted from the runner's pools and from every live device array in the process."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.runner import LoadedModel
+
+    target, draft, _ = engine_models
+    # a draft only the engine holds, as LLM(...) builds it (the fixture keeps its own alive)
+    own = LoadedModel(draft.cfg, jax.tree_util.tree_map(jnp.copy, draft.params), draft.name)
+    engine = make_engine(target, own, policy=LoadPolicy(7, 3), **ELASTIC_KW)
+    del own
+    traded = ("target_kv", "draft_params", "draft_kv")
+    start = engine.runner.device_bytes()
+    budget = sum(start[k] for k in traded)
+    live0 = _device_bytes_live()
+    seen = []
+
+    def check(outcome):
+        now = engine.runner.device_bytes()
+        assert sum(now[k] for k in traded) <= budget
+        if engine.elastic.state is DraftState.OFFLOADED:
+            assert now["draft_params"] == now["draft_kv"] == 0
+            extension = now["target_kv"] - start["target_kv"]
+            assert extension > 0
+            # everything live on the device grew by far less than the extension: the draft's
+            # buffers were freed, not merely dropped by the runner (what remains is the step's
+            # own small outputs, a few KB)
+            assert _device_bytes_live() - live0 < extension / 4
+            seen.append(True)
+
+    engine.add_step_listener(check)
+    _drive(engine, _burst(seed=1), SamplingParams(max_tokens=30, temperature=0.0,
+                                                  ignore_eos=True))
+    assert engine.metrics.num_pool_expansions >= 1 and seen
+    assert engine.runner.device_bytes()["target_kv"] == start["target_kv"]  # extension dropped

@@ -198,6 +198,48 @@ def test_reference_q_block():
     assert reference_q_block(8, 16) == 1
 
 
+
+def _split(pool, n0):
+    """A one-array pool as two segments (base ``n0`` blocks, the rest the extension)."""
+    return (pool[:, :n0], pool[:, n0:])
+
+
+@pytest.mark.parametrize("name", ["gqa2-d128-bs16-f32", "gqa3-d64-bs4-window-f32"])
+def test_attention_over_a_segmented_pool_equals_the_one_array_pool(name):
+    """Elastic memory's expanded pool: the same blocks held as base + extension segments give
+    the same attention, bit for bit, on all three paths (per-token reference, the tiled
+    reference, the kernel), with pages on both sides of the split."""
+    kernel, ref = _fns(name)
+    tiled = _tiled_fn(name, reference_q_block(T, S))
+    q, k, v, md, live = _make_inputs(name, [1, 5, 30, 3], [40, 16, 49, 20], seed=11)
+    n0 = k.shape[1] // 2
+    table = np.asarray(md.page_table)
+    assert (table[table > 0] < n0).any() and (table >= n0).any()  # both segments are read
+    ks, vs = _split(k, n0), _split(v, n0)
+    for fn in (ref, tiled, kernel):
+        whole = np.asarray(fn(q, k, v, 1, md))[:live]
+        split = np.asarray(fn(q, ks, vs, 1, md))[:live]
+        assert np.array_equal(whole, split)
+
+
+def test_segment_writes_land_in_the_segment_that_holds_the_block():
+    from pallas_kernels import segments
+
+    pool = jnp.zeros((2, 6, 4, 1, 2), jnp.float32)
+    blocks = jnp.asarray([1, 4, 5, 0], jnp.int32)
+    offsets = jnp.asarray([0, 3, 1, 2], jnp.int32)
+    vals = jnp.arange(8, dtype=jnp.float32).reshape(4, 1, 2) + 1
+    whole = segments.write_slots(pool, 1, blocks, offsets, vals)
+    split = segments.write_slots(_split(pool, 4), 1, blocks, offsets, vals)
+    assert [s.shape[1] for s in split] == [4, 2]
+    assert np.array_equal(np.concatenate([np.asarray(s) for s in split], axis=1),
+                          np.asarray(whole))
+    assert segments.num_blocks(split) == 6
+    got = segments.read_blocks(split, jnp.asarray([[5, 1], [4, 0]]), layer=1)
+    assert np.array_equal(np.asarray(got), np.asarray(whole[1, jnp.asarray([[5, 1], [4, 0]])]))
+    got = segments.read_blocks(split, jnp.asarray([4, 1]))
+    assert np.array_equal(np.asarray(got), np.asarray(whole[:, jnp.asarray([4, 1])]))
+
 # ----------------------------------------------------------------------------- migration
 MIG_SHAPE = (3, 24, 4, 2, 64)  # layers, blocks, block size, kv heads, head_dim
 
@@ -239,6 +281,23 @@ def test_migration_in_bf16_is_exact():
     ok, ov = migrate_blocks(k, v, pairs, interpret=True)  # donates k and v
     assert np.array_equal(np.asarray(ok), np.asarray(rk))
     assert np.array_equal(np.asarray(ov), np.asarray(rv))
+
+
+def test_migration_between_segments_matches_the_one_array_pool():
+    """Contraction's moves: live blocks of the extension segment into free base blocks (and,
+    for generality, one the other way), kernel and reference, against the unsplit pool."""
+    rng = np.random.default_rng(4)
+    k = jnp.asarray(rng.normal(size=MIG_SHAPE), jnp.float32)
+    v = k * 2
+    n0 = 16
+    plan = [(17, 3), (23, 5), (20, 9), (2, 18)]
+    pairs = jnp.asarray(pad_pairs(validate_pairs(plan, MIG_SHAPE[1]), 8))
+    wk, wv = migrate_blocks_reference(k, v, pairs)
+    for fn in (migrate_blocks_reference, functools.partial(migrate_blocks, interpret=True)):
+        sk, sv = fn(_split(k, n0), _split(v, n0), pairs)
+        assert [a.shape[1] for a in sk] == [n0, MIG_SHAPE[1] - n0]
+        assert np.array_equal(np.concatenate([np.asarray(a) for a in sk], axis=1), wk)
+        assert np.array_equal(np.concatenate([np.asarray(a) for a in sv], axis=1), wv)
 
 
 @pytest.mark.parametrize("plan, message", [

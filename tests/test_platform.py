@@ -174,3 +174,27 @@ def test_warning_names_the_opt_out_when_it_is_the_reason(monkeypatch):
     monkeypatch.setattr(platform, "_warned_slow_bf16", False)
     monkeypatch.setenv("XLA_FLAGS", platform.CPU_BF16_FLAG)  # bf16 is fast: nothing to say
     assert not platform.warn_if_slow_cpu_bf16("bfloat16")
+
+
+def test_device_free_bytes_sizes_the_pool_on_an_accelerator():
+    """On a backend that reports allocator statistics (GPU, TPU) the pool takes 90% of the free
+    memory, capped at max_num_seqs full-length sequences; XLA:CPU reports none."""
+    from jspec.config import EngineConfig, resolve
+    from jspec.platform import device_free_bytes
+
+    assert device_free_bytes() is None  # this CPU
+
+    class FakeGPU:
+        def memory_stats(self):
+            return {"bytes_limit": 80_000, "bytes_in_use": 30_000}
+
+    assert device_free_bytes(FakeGPU()) == 50_000
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=64, block_size=16, num_speculative_tokens=0)
+    full = resolve(cfg, 64, 1000).num_kv_blocks  # 4 sequences of 5 pages + the null block
+    assert full == 21
+    assert resolve(cfg, 64, 1000, device_free_bytes=50_000).num_kv_blocks == 21
+    assert resolve(cfg, 64, 1000, device_free_bytes=10_000).num_kv_blocks == 9
+    assert resolve(EngineConfig(num_kv_blocks=7, max_model_len=64), 64, 1000,
+                   device_free_bytes=10).num_kv_blocks == 7
+    with pytest.raises(ValueError, match="bytes free after loading the models"):
+        resolve(cfg, 64, 1000, device_free_bytes=1500)
