@@ -14,7 +14,7 @@ from typing import Any, Callable
 # default (or the value a command derives itself, like generate's max_num_seqs).
 ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                         "min_token_bucket", "kernel_backend", "elastic_memory",
-                        "elastic_low_watermark", "elastic_persist_steps")
+                        "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +87,11 @@ def add_elastic_arguments(group) -> None:
                        help="τ_low: expand below this share of free blocks (default: 0.1)")
     group.add_argument("--elastic-persist-steps", type=int, default=None, metavar="STEPS",
                        help="T_persist: steps the expansion conditions must hold (default: 8)")
+    group.add_argument("--elastic-pool-layout", choices=("auto", "segments", "preallocated"),
+                       default=None, help="the KV extension as a second array allocated from "
+                       "the draft's freed memory (segments), or one array sized for both from "
+                       "the start (preallocated); auto: segments on GPU/TPU, preallocated on "
+                       "CPU")
 
 
 def parse_option_value(text: str) -> Any:

@@ -42,6 +42,11 @@ class EngineConfig:
     elastic_memory: bool = False
     elastic_low_watermark: float = 0.1  # τ_low as a share of the base pool's blocks
     elastic_persist_steps: int = 8  # T_persist: steps both conditions must hold before expanding
+    # where the extension's blocks live (jspec/elastic.py): "segments" = a second array allocated
+    # from the draft's freed memory; "preallocated" = one array sized for base + extension from
+    # the start; "auto" = segments on accelerators, preallocated on CPU (no separate device
+    # memory to hand over there, and one array reads faster)
+    elastic_pool_layout: str = "auto"
 
     def __post_init__(self):
         def positive(name):
@@ -68,10 +73,29 @@ class EngineConfig:
             raise ValueError(f"elastic_low_watermark must be a fraction in [0, 1), got {w!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2 (block 0 is reserved)")
+        if self.elastic_pool_layout not in ELASTIC_POOL_LAYOUTS:
+            raise ValueError(f"elastic_pool_layout must be one of "
+                             f"{', '.join(map(repr, ELASTIC_POOL_LAYOUTS))}, got "
+                             f"{self.elastic_pool_layout!r}")
 
     @property
     def policy_kwargs(self) -> dict[str, Any]:
         return dict(self.policy_options)
+
+
+ELASTIC_POOL_LAYOUTS = ("auto", "segments", "preallocated")
+
+
+def resolve_elastic_pool_layout(layout: str) -> str:
+    """'auto' -> 'segments' where the device has memory of its own (GPU, TPU), 'preallocated' on
+    XLA:CPU, where "device" and host memory are the same RAM: offloading the draft frees
+    nothing there, and reading one array is 25-40% faster per step than reading two
+    (docs/benchmarks.md, "Elastic memory")."""
+    if layout != "auto":
+        return layout
+    import jax
+
+    return "preallocated" if jax.default_backend() == "cpu" else "segments"
 
 
 def resolve_dtype(dtype: str) -> str:

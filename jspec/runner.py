@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import device_steps
-from jspec.config import ResolvedConfig
+from jspec.config import ResolvedConfig, resolve_elastic_pool_layout
 from jspec.sampler import (SamplingTensors, VerifyResult, rejection_sample, sample_tokens,
                            verify_signals)
 from models.config import ModelConfig
@@ -121,10 +121,17 @@ class ModelRunner:
         self.draft_stats = bool(draft_stats)
         self.kernel_backend = kernel_backend.resolve(rc.engine.kernel_backend)
         self._attn = kernel_backend.attention_fn(self.kernel_backend)
-        # the base pools; elastic memory adds the target's extension segment while the draft
-        # is offloaded (expand_target_pool) and drops it at contraction (jspec/elastic.py)
-        self.target_kv = KVCache.create(target.cfg, rc.num_kv_blocks, rc.engine.block_size,
-                                        kv_dtype)
+        # Elastic memory's extension (jspec/elastic.py): "segments" adds it to the target's
+        # pool as a second array while the draft is offloaded (expand_target_pool) and drops it
+        # at contraction; "preallocated" sizes the one array for base + extension from the
+        # start. The draft's pool covers the base only: it never runs while the extension is
+        # in use.
+        self.extension_layout = (resolve_elastic_pool_layout(rc.engine.elastic_pool_layout)
+                                 if rc.num_extension_blocks else None)
+        self._extension_in_use = False
+        num_blocks = rc.num_kv_blocks + (rc.num_extension_blocks
+                                         if self.extension_layout == "preallocated" else 0)
+        self.target_kv = KVCache.create(target.cfg, num_blocks, rc.engine.block_size, kv_dtype)
         self.draft_kv = (KVCache.create(draft.cfg, rc.num_kv_blocks, rc.engine.block_size,
                                         kv_dtype) if draft is not None else None)
         self.draft_resident = draft is not None
@@ -152,6 +159,7 @@ class ModelRunner:
         # sampling-only executables (model None) do not touch the KV pool
         geometry = () if model is None else (str(self.kv_dtype), self.rc.num_kv_blocks,
                                              self.rc.num_extension_blocks,
+                                             self.extension_layout,
                                              self.rc.engine.block_size, self.rc.max_pages,
                                              self.kernel_backend)
         full_key = (key, model_key, geometry)
@@ -199,29 +207,36 @@ class ModelRunner:
 
     @property
     def pool_expanded(self) -> bool:
-        """Whether the target's pool has its elastic extension segment now."""
-        return self.target_kv.num_segments > 1
+        """Whether the target's pool has its elastic extension in use now."""
+        return self._extension_in_use
 
-    def _target_kv_spec(self, expanded: bool) -> KVCache:
-        """Shapes of the target's pool, base only or base + extension (``expanded``)."""
-        cfg, bs = self.target.cfg, self.rc.engine.block_size
+    @property
+    def _segmented(self) -> bool:
+        """Whether the target's pool is two arrays now (expanded, "segments" layout): the
+        executables for that shape run."""
+        return self._extension_in_use and self.extension_layout == "segments"
+
+    def _target_kv_spec(self, segmented: bool) -> KVCache:
+        """Shapes of the target's pool: one array, or base + extension segments."""
+        cfg, bs, rc = self.target.cfg, self.rc.engine.block_size, self.rc
 
         def seg(n):
             return jax.ShapeDtypeStruct((cfg.num_layers, n, bs, cfg.num_kv_heads, cfg.head_dim),
                                         self.kv_dtype)
 
-        if not expanded:
-            return KVCache(seg(self.rc.num_kv_blocks), seg(self.rc.num_kv_blocks))
-        segs = (seg(self.rc.num_kv_blocks), seg(self.rc.num_extension_blocks))
-        return KVCache(segs, segs)
+        if segmented:
+            segs = (seg(rc.num_kv_blocks), seg(rc.num_extension_blocks))
+            return KVCache(segs, segs)
+        one = seg(self.target_kv.num_blocks if not self._segmented else rc.num_kv_blocks)
+        return KVCache(one, one)
 
     def verify_executable(self, num_tokens: int, num_seqs: int, gamma: int,
-                          expanded: bool = False):
+                          segmented: bool = False):
         """The target forward over a ragged batch; with γ > 0 the drafted tokens are scattered
         into their placeholder slots on device first. γ = 0 takes no draft arguments at all.
-        ``expanded``: over the pool with its elastic extension (γ = 0 only)."""
+        ``segmented``: over the pool with its extension segment (γ = 0 only)."""
         def build():
-            specs = [_spec(self.target.params), self._target_kv_spec(expanded),
+            specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1))]
             if gamma:
                 fn = functools.partial(device_steps.verify_forward, cfg=self.target.cfg,
@@ -232,10 +247,10 @@ class ModelRunner:
                                        attention_fn=self._attn)
             return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
-        return self._executable(("verify", num_tokens, num_seqs, gamma, expanded), self.target,
+        return self._executable(("verify", num_tokens, num_seqs, gamma, segmented), self.target,
                                 build)
 
-    def verify_accept_executable(self, num_seqs: int, gamma: int, expanded: bool = False):
+    def verify_accept_executable(self, num_seqs: int, gamma: int, segmented: bool = False):
         """A decode-only step (num_seqs * (1 + γ) tokens): forward and sampling in one call."""
         num_tokens = num_seqs * (1 + gamma)
 
@@ -243,7 +258,7 @@ class ModelRunner:
             vocab = self.target.cfg.vocab_size
             fn = functools.partial(device_steps.verify_and_accept, cfg=self.target.cfg,
                                    attention_fn=self._attn)
-            specs = [_spec(self.target.params), self._target_kv_spec(expanded),
+            specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs)]
             if gamma:
@@ -253,7 +268,7 @@ class ModelRunner:
                           jax.ShapeDtypeStruct((num_seqs,), jnp.int32)]
             return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
-        return self._executable(("verify_accept", num_seqs, gamma, expanded), self.target,
+        return self._executable(("verify_accept", num_seqs, gamma, segmented), self.target,
                                 build)
 
     def accept_executable(self, num_seqs: int, gamma: int):
@@ -343,7 +358,7 @@ class ModelRunner:
         """Target logits [S*(γ+1), V] of the verify batch (stays on device)."""
         num_seqs = batch.attn.kv_lens.shape[0]
         forward = self.verify_executable(batch.input_ids.shape[0], num_seqs, gamma,
-                                         self.pool_expanded)
+                                         self._segmented)
         args = (draft_tokens, draft_slots) if gamma else ()
         logits, self.target_kv = forward(self.target.params, self.target_kv, batch, *args)
         return logits
@@ -352,7 +367,7 @@ class ModelRunner:
                           num_drafted, st: SamplingTensors, gamma: int):
         """A decode-only step's verification: (VerifyResult, logits), both on device."""
         num_seqs = batch.attn.kv_lens.shape[0]
-        exe = self.verify_accept_executable(num_seqs, gamma, self.pool_expanded)
+        exe = self.verify_accept_executable(num_seqs, gamma, self._segmented)
         drafts = (draft_tokens, draft_slots, draft_logits, num_drafted) if gamma else ()
         result, logits, self.target_kv = exe(self.target.params, self.target_kv, batch, st,
                                              *drafts)
@@ -393,17 +408,16 @@ class ModelRunner:
         exe = self.catch_up_executable(batch.input_ids.shape[0])
         self.draft_kv = exe(self.draft.params, self.draft_kv, batch)
 
-    def migrate_executable(self, expanded: bool):
-        """One chunk of a migration plan (``migrate_bucket`` pairs) over the target's pool and,
-        unexpanded, the draft's; expanded (the contraction's case) the target's two segments
-        only, since the draft is offloaded then."""
+    def migrate_executable(self, segmented: bool):
+        """One chunk of a migration plan (``migrate_bucket`` pairs) over the target's pool, one
+        array or (the contraction's case in the "segments" layout) two."""
         def build():
             fn = kernel_backend.migration_fn(self.kernel_backend)
             pairs = jax.ShapeDtypeStruct((self.migrate_bucket, 2), jnp.int32)
-            spec = self._target_kv_spec(expanded)
+            spec = self._target_kv_spec(segmented)
             return compile_lowered(fn.lower(spec.k, spec.v, pairs))
 
-        return self._executable(("migrate", self.migrate_bucket, expanded), self.target, build)
+        return self._executable(("migrate", self.migrate_bucket, segmented), self.target, build)
 
     def extension_executable(self):
         """Allocates the target's (zeroed) extension segments, K and V."""
@@ -436,7 +450,7 @@ class ModelRunner:
         if not len(pairs):
             return 0
         bucket = self.migrate_bucket
-        target_exe = self.migrate_executable(self.pool_expanded)
+        target_exe = self.migrate_executable(self._segmented)
         for start in range(0, len(pairs), bucket):
             # numpy straight in: jnp.asarray would compile a 'stage' per new shape (jax 0.10)
             padded = pad_pairs(pairs[start:start + bucket], bucket)
@@ -474,30 +488,37 @@ class ModelRunner:
         self.draft_resident = False
 
     def expand_target_pool(self) -> None:
-        """Add the extension segment to the target's pool (after ``offload_draft``: it is
-        allocated from the memory the draft gave back). Nothing is copied: the base segment
-        stays where it is and block ids above it now address the extension."""
-        if self.pool_expanded:
+        """Put the extension in use (after ``offload_draft``). "segments": allocate it as a
+        second array from the memory the draft gave back; nothing is copied, the base stays
+        where it is and block ids above it now address the extension. "preallocated": it is
+        there already."""
+        if self.extension_layout is None:
+            raise RuntimeError("this runner has no elastic extension")
+        if self._extension_in_use:
             raise RuntimeError("the target's KV pool is already expanded")
         if self.draft_resident:
             raise RuntimeError("offload the draft before expanding the pool into its memory")
-        k_ext, v_ext = self.extension_executable()()
-        self.target_kv = KVCache((self.target_kv.k, k_ext), (self.target_kv.v, v_ext))
+        if self.extension_layout == "segments":
+            k_ext, v_ext = self.extension_executable()()
+            self.target_kv = KVCache((self.target_kv.k, k_ext), (self.target_kv.v, v_ext))
+        self._extension_in_use = True
 
     def contract_target_pool(self, pairs) -> int:
         """Move the live blocks ``pairs`` (extension -> free base block, the block manager's
-        ``contraction_plan``) and drop the extension segment, freeing its memory for the
-        draft's reload. Returns the number of blocks moved."""
-        if not self.pool_expanded:
+        ``contraction_plan``) and take the extension out of use; "segments" deletes it, freeing
+        its memory for the draft's reload. Returns the number of blocks moved."""
+        if not self._extension_in_use:
             raise RuntimeError("the target's KV pool is not expanded")
         pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
         if len(pairs) and pairs[:, 1].max() >= self.rc.num_kv_blocks:
-            raise ValueError("contraction moves blocks into the base segment only")
+            raise ValueError("contraction moves blocks into the base pool only")
         moved = self.migrate_blocks(pairs)
-        (k, k_ext), (v, v_ext) = self.target_kv.k, self.target_kv.v
-        self.target_kv = KVCache(k, v)
-        for arr in (k_ext, v_ext):
-            arr.delete()
+        if self.extension_layout == "segments":
+            (k, k_ext), (v, v_ext) = self.target_kv.k, self.target_kv.v
+            self.target_kv = KVCache(k, v)
+            for arr in (k_ext, v_ext):
+                arr.delete()
+        self._extension_in_use = False
         return moved
 
     def device_bytes(self) -> dict[str, int]:
@@ -544,8 +565,9 @@ class ModelRunner:
         tokens, the draft loop (g > 0) and the policy's signals if it reads any. Steps that
         carry prefill, at the widest row bucket: a verify per (token bucket t, g) and a
         sampling per g (g = 0 only when one sequence runs at a time). Draft catch-up: two
-        widths (``catch_up_buckets``) at the widest row bucket. With elastic memory, the γ = 0
-        verifies again over the expanded pool's shape, and the contraction's migration.
+        widths (``catch_up_buckets``) at the widest row bucket. With elastic memory the
+        contraction's migration, and in the "segments" layout the γ = 0 verifies again over the
+        two-segment pool and the extension's allocation.
         """
         rc = self.rc
         drafting = [g for g in self.gamma_buckets if g > 0] if self.draft is not None else []
@@ -563,12 +585,14 @@ class ModelRunner:
         plan += [("accept", widest, g) for g in mixed]
         if drafting:
             plan += [("catch_up", t) for t in self.catch_up_buckets]
-        if rc.num_extension_blocks:
-            # elastic memory: the pool with its extension runs γ = 0 only (the draft is away),
-            # and the contraction's migration moves blocks between its two segments
+        if self.extension_layout == "segments":
+            # the pool with its extension segment runs γ = 0 only (the draft is away), and the
+            # contraction's migration moves blocks between the two segments
             plan += [("verify_accept", s, 0, True) for s in rc.seq_buckets]
             plan += [("verify", t, widest, 0, True) for t in rc.token_buckets]
             plan += [("extension",), ("migrate", True)]
+        elif self.extension_layout == "preallocated":
+            plan += [("migrate", False)]
         return list(dict.fromkeys(plan))  # a decode shape may equal a prefill one
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:

@@ -231,23 +231,35 @@ def test_engine_config_validates_elastic_options():
         EngineConfig(elastic_low_watermark=1.5)
     with pytest.raises(ValueError, match="elastic_persist_steps"):
         EngineConfig(elastic_persist_steps=0)
+    with pytest.raises(ValueError, match="elastic_pool_layout must be one of"):
+        EngineConfig(elastic_pool_layout="ring")
+    from jspec.config import resolve_elastic_pool_layout
+
+    assert resolve_elastic_pool_layout("auto") == "preallocated"  # this CPU
+    assert resolve_elastic_pool_layout("segments") == "segments"
 
 
 @pytest.fixture(scope="module")
 def elastic_engine(engine_models):
+    """The accelerators' layout (the extension a second array), forced on this CPU."""
     target, draft, _ = engine_models
-    return make_engine(target, draft, policy=LoadPolicy(7, 3), **ELASTIC_KW)
+    return make_engine(target, draft, policy=LoadPolicy(7, 3), elastic_pool_layout="segments",
+                       **ELASTIC_KW)
 
 
-def test_forced_cycles_are_lossless_and_compile_nothing(engine_models, elastic_engine):
+@pytest.mark.parametrize("layout", ["segments", "preallocated"])
+def test_forced_cycles_are_lossless_and_compile_nothing(engine_models, elastic_engine, layout):
     """A burst on a pool too small for it: the engine expands (draft offloaded, γ forced to 0),
     contracts when the queue drains (live blocks migrated, draft reloaded, its KV caught up),
-    speculates again, and the greedy output equals plain target decoding token for token."""
-    target, _, _ = engine_models
+    speculates again, and the greedy output equals plain target decoding token for token. Both
+    layouts of the extension: a second array (GPU/TPU) and one preallocated array (CPU)."""
+    target, draft, _ = engine_models
     prompts = _burst()
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = run_to_completion(make_engine(target, None, num_kv_blocks=24), prompts, sp)
-    engine = elastic_engine
+    engine = elastic_engine if layout == "segments" else make_engine(
+        target, draft, policy=LoadPolicy(7, 3), elastic_pool_layout=layout, **ELASTIC_KW)
+    assert engine.runner.extension_layout == layout
     before = runner.compile_events()
     done, states = _drive(engine, prompts, sp)
     assert runner.compile_events() == before, "an expand/contract cycle compiled"
@@ -326,7 +338,8 @@ def test_expansion_hands_device_memory_over(engine_models):
     target, draft, _ = engine_models
     # a draft only the engine holds, as LLM(...) builds it (the fixture keeps its own alive)
     own = LoadedModel(draft.cfg, jax.tree_util.tree_map(jnp.copy, draft.params), draft.name)
-    engine = make_engine(target, own, policy=LoadPolicy(7, 3), **ELASTIC_KW)
+    engine = make_engine(target, own, policy=LoadPolicy(7, 3), elastic_pool_layout="segments",
+                         **ELASTIC_KW)
     del own
     traded = ("target_kv", "draft_params", "draft_kv")
     start = engine.runner.device_bytes()

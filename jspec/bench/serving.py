@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         metavar="FRACTION", help="τ_low of the elastic runs (default: 0.1)")
     models.add_argument("--elastic-persist-steps", type=int, default=None, metavar="STEPS",
                         help="T_persist of the elastic runs (default: 8)")
+    models.add_argument("--elastic-pool-layout", choices=("auto", "segments", "preallocated"),
+                        default=None, help="where the elastic runs keep the KV extension "
+                        "(default: auto = preallocated on CPU, segments on GPU/TPU)")
 
     syn = p.add_argument_group("cost-realistic synthetic mode (jspec/synthetic.py)")
     syn.add_argument("--synthetic", metavar="SHAPE", default=None,
@@ -209,7 +212,7 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
 def with_elastic_runs(policies: list[dict], args: argparse.Namespace) -> list[dict]:
     """Each policy followed by the same policy on an engine with elastic memory."""
     elastic = {"elastic_memory": True}
-    for name in ("elastic_low_watermark", "elastic_persist_steps"):
+    for name in ("elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout"):
         if getattr(args, name) is not None:
             elastic[name] = getattr(args, name)
     out = []
