@@ -7,21 +7,29 @@ state lives: ``BlockManager.expand`` / ``contraction_plan`` / ``contract`` (bloc
 ``ModelRunner.offload_draft`` / ``expand_target_pool`` / ``contract_target_pool`` /
 ``reload_draft`` (device memory), and ``LLMEngine`` ties them together once per step.
 
-A two-segment pool. The memory really changes hands: on expansion the draft's weights go to
-host memory and its KV pool is deleted, and only then is the extension allocated, as a second
-array beside the target's base pool (``pallas_kernels.segments``); on contraction the live
-extension blocks are migrated into free base blocks, the extension array is deleted, and only
-then is the draft reloaded. The device bytes of (target KV, draft weights, draft KV) never exceed
-what the engine started with (tests/test_elastic.py counts them, and every live device array).
-The base never moves (§5.2: "in-place expansion": growing one array would mean holding the old
-and the new pool at once). Block ids keep one numbering: the extension's blocks follow the
-base's, the block manager keeps them out of the free list until the pool expands, and only the
-K/V reads and writes split by segment. The executables for the expanded shape (γ = 0 only: the
-draft is away), the extension's allocation and the cross-segment migration are compiled at
-warm-up, so a cycle compiles nothing. The draft's own KV pool covers the base blocks only: the
+Two layouts of the extension (``EngineConfig.elastic_pool_layout``). Block ids keep one
+numbering either way: the extension's blocks follow the base's, and the block manager keeps them
+out of the free list until the pool expands.
+
+* ``segments`` (the default on GPU and TPU): the memory really changes hands. On expansion the
+  draft's weights go to host memory and its KV pool is deleted, and only then is the extension
+  allocated, as a second array beside the target's base pool (``pallas_kernels.segments``); on
+  contraction the live extension blocks are migrated into free base blocks, the extension array
+  is deleted, and only then is the draft reloaded. The device bytes of (target KV, draft
+  weights, draft KV) never exceed what the engine started with (tests/test_elastic.py counts
+  them, and every live device array). The base never moves (§5.2's "in-place expansion":
+  growing one array would mean holding the old and the new pool at once); only the K/V reads and
+  writes split by segment. The executables for the two-segment shape (γ = 0 only: the draft is
+  away), the extension's allocation and the cross-segment migration are compiled at warm-up.
+* ``preallocated`` (the default on CPU): one array sized for base + extension from the start.
+  On XLA:CPU "device" and host memory are the same RAM, so offloading the draft frees nothing
+  to hand over and the budget is an accounting limit either way; and the jnp attention reads a
+  two-segment pool by gathering from both arrays, which measured 25-40% slower per step here
+  (docs/benchmarks.md, "Elastic memory").
+
+Either way a cycle compiles nothing. The draft's own KV pool covers the base blocks only: the
 draft never runs while the extension is in use, and contraction empties it before the draft
-returns. On the CPU backend "device" and host memory are the same RAM, so there the budget is an
-accounting limit; the code path is the same.
+returns.
 
 What the draft frees. Its weights and its KV pool: in this engine a KV block holds the target's
 and the draft's K/V for the same token slots (one block manager, one page table per sequence), so
