@@ -129,9 +129,11 @@ class ModelRunner:
         self.extension_layout = (resolve_elastic_pool_layout(rc.engine.elastic_pool_layout)
                                  if rc.num_extension_blocks else None)
         self._extension_in_use = False
-        num_blocks = rc.num_kv_blocks + (rc.num_extension_blocks
-                                         if self.extension_layout == "preallocated" else 0)
-        self.target_kv = KVCache.create(target.cfg, num_blocks, rc.engine.block_size, kv_dtype)
+        # blocks of the target's pool as one array: the base, plus the extension if preallocated
+        self._one_array_blocks = rc.num_kv_blocks + (
+            rc.num_extension_blocks if self.extension_layout == "preallocated" else 0)
+        self.target_kv = KVCache.create(target.cfg, self._one_array_blocks, rc.engine.block_size,
+                                        kv_dtype)
         self.draft_kv = (KVCache.create(draft.cfg, rc.num_kv_blocks, rc.engine.block_size,
                                         kv_dtype) if draft is not None else None)
         self.draft_resident = draft is not None
@@ -206,11 +208,6 @@ class ModelRunner:
         )
 
     @property
-    def pool_expanded(self) -> bool:
-        """Whether the target's pool has its elastic extension in use now."""
-        return self._extension_in_use
-
-    @property
     def _segmented(self) -> bool:
         """Whether the target's pool is two arrays now (expanded, "segments" layout): the
         executables for that shape run."""
@@ -227,7 +224,7 @@ class ModelRunner:
         if segmented:
             segs = (seg(rc.num_kv_blocks), seg(rc.num_extension_blocks))
             return KVCache(segs, segs)
-        one = seg(self.target_kv.num_blocks if not self._segmented else rc.num_kv_blocks)
+        one = seg(self._one_array_blocks)
         return KVCache(one, one)
 
     def verify_executable(self, num_tokens: int, num_seqs: int, gamma: int,
@@ -408,16 +405,19 @@ class ModelRunner:
         exe = self.catch_up_executable(batch.input_ids.shape[0])
         self.draft_kv = exe(self.draft.params, self.draft_kv, batch)
 
-    def migrate_executable(self, segmented: bool):
-        """One chunk of a migration plan (``migrate_bucket`` pairs) over the target's pool, one
-        array or (the contraction's case in the "segments" layout) two."""
+    def _migration(self, key: tuple, model: LoadedModel, spec: KVCache):
+        """One chunk of a migration plan (``migrate_bucket`` pairs) over a pool of ``spec``."""
         def build():
             fn = kernel_backend.migration_fn(self.kernel_backend)
             pairs = jax.ShapeDtypeStruct((self.migrate_bucket, 2), jnp.int32)
-            spec = self._target_kv_spec(segmented)
             return compile_lowered(fn.lower(spec.k, spec.v, pairs))
 
-        return self._executable(("migrate", self.migrate_bucket, segmented), self.target, build)
+        return self._executable(("migrate", self.migrate_bucket) + key, model, build)
+
+    def migrate_executable(self, segmented: bool):
+        """Migration over the target's pool: one array, or (the contraction's case in the
+        "segments" layout) two."""
+        return self._migration((segmented,), self.target, self._target_kv_spec(segmented))
 
     def extension_executable(self):
         """Allocates the target's (zeroed) extension segments, K and V."""
@@ -427,15 +427,6 @@ class ModelRunner:
             return compile_lowered(jax.jit(fn).lower())
 
         return self._executable(("extension",), self.target, build)
-
-    def _draft_migrate_executable(self):
-        def build():
-            fn = kernel_backend.migration_fn(self.kernel_backend)
-            pairs = jax.ShapeDtypeStruct((self.migrate_bucket, 2), jnp.int32)
-            spec = _spec(self.draft_kv)
-            return compile_lowered(fn.lower(spec.k, spec.v, pairs))
-
-        return self._executable(("migrate", self.migrate_bucket), self.draft, build)
 
     def migrate_blocks(self, pairs) -> int:
         """Copy KV blocks (src, dst) in every pool this runner holds (the target's, segments
@@ -456,7 +447,7 @@ class ModelRunner:
             padded = pad_pairs(pairs[start:start + bucket], bucket)
             self.target_kv = KVCache(*target_exe(self.target_kv.k, self.target_kv.v, padded))
             if self.draft_kv is not None:
-                exe = self._draft_migrate_executable()
+                exe = self._migration((), self.draft, _spec(self.draft_kv))
                 self.draft_kv = KVCache(*exe(self.draft_kv.k, self.draft_kv.v, padded))
         return len(pairs)
 
