@@ -22,9 +22,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--target", metavar="DIR",
                         help="target HF checkpoint directory (llama / qwen2 / mistral); "
                              "default: the built-in default pair")
-    models.add_argument("--draft", metavar="DIR",
+    models.add_argument("--draft", metavar="DIR", action="append",
                         help="draft checkpoint directory sharing the target's vocabulary; "
-                             "with --target but no --draft, decoding is plain (no speculation)")
+                             "repeat it for a pool of drafts (SpecRouter's chains, "
+                             "--policy specrouter); with --target but no --draft, decoding is "
+                             "plain (no speculation)")
     models.add_argument("--tokenizer", metavar="DIR",
                         help="tokenizer directory (default: the target's)")
     models.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "512 for --config tiny)")
     else:
         parser.add_argument("--target", required=True, help="target HF checkpoint directory")
+        parser.add_argument("--role", choices=("draft", "intermediate"), default="draft",
+                            help="the student's shape: the pool's small draft or its middle "
+                                 "model (models/train.py: config_for)")
         parser.add_argument("--independent", action="store_true",
                             help="train the draft on the data alone (cross entropy), no KL")
         parser.add_argument("--init", metavar="DIR", default=None,
@@ -153,7 +156,7 @@ def run(args) -> int:
         tokenizer = load_tokenizer(args.target)
         t_cfg, t_params = load_checkpoint(args.target, dtype=jnp.float32)
         teacher = (t_cfg, params_for_module(t_cfg, t_params))
-        cfg = config_for(args.config, "draft", vocab_size=t_cfg.vocab_size)
+        cfg = config_for(args.config, args.role, vocab_size=t_cfg.vocab_size)
     else:
         if os.path.isdir(tok_dir):
             tokenizer = load_tokenizer(tok_dir)
@@ -180,7 +183,7 @@ def run(args) -> int:
             i_cfg, i_params = load_checkpoint(args.init, dtype=jnp.float32)
             if (i_cfg.num_layers, i_cfg.hidden_size, i_cfg.vocab_size) != (
                     cfg.num_layers, cfg.hidden_size, cfg.vocab_size):
-                raise ValueError(f"--init {args.init!r} is not a {args.config!r} draft "
+                raise ValueError(f"--init {args.init!r} is not a {args.config!r} {args.role} "
                                  f"({i_cfg.num_layers} layers, hidden {i_cfg.hidden_size}, "
                                  f"vocab {i_cfg.vocab_size})")
             init = params_for_module(i_cfg, i_params)

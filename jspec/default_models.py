@@ -30,6 +30,42 @@ def shipped_pair() -> tuple[str, str] | None:
     return str(target), str(draft)
 
 
+def shipped_intermediate() -> str | None:
+    """The shipped pool's middle model (``models/default_pair/mid``: between the draft and the
+    target in size, for SpecRouter's chains), or None if it is not installed."""
+    mid = SHIPPED_DIR / "mid"
+    if (mid / "config.json").exists() and (mid / "model.safetensors").exists() \
+            and shipped_pair() is not None:
+        return str(mid)
+    return None
+
+
+def tiny_random_intermediate() -> str:
+    """A tiny random middle model for the fallback pool (built on first use, cached)."""
+    from models.tiny import build_tiny_tokenizer, write_tiny_checkpoint
+    from models.train import TINY_INTERMEDIATE
+
+    path = cache_dir() / "tiny-random-pair-v1" / "mid"
+    if not (path / "config.json").exists():
+        target, _ = tiny_random_pair()
+        from models.loader import load_tokenizer
+
+        write_tiny_checkpoint(path, "llama", seed=2, tokenizer=load_tokenizer(target),
+                              **TINY_INTERMEDIATE)
+    return str(path)
+
+
+def default_pool() -> tuple[str, dict[str, str]]:
+    """(target_dir, {name: dir}) of the built-in pool, smallest first: the draft and the middle
+    model (``LLM(policy="specrouter")`` with no models given)."""
+    target, draft = default_pair()
+    mid = shipped_intermediate() if shipped_pair() is not None else tiny_random_intermediate()
+    pool = {"draft": draft}
+    if mid is not None:
+        pool["mid"] = mid
+    return target, pool
+
+
 def tiny_random_pair() -> tuple[str, str]:
     """(target_dir, draft_dir) of the tiny random pair, building it if needed."""
     from models.tiny import write_tiny_pair

@@ -165,6 +165,62 @@ def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: Sampling
     return rejection_sample(logits, draft_logits, draft_tokens, num_drafted, st), logits, kv
 
 
+# The random streams of an intermediate level's acceptance tests and correction draw (the
+# target uses 1 and 2, the draft loop 3): every level decides with uniforms of its own.
+_INTERMEDIATE_STREAMS = (4, 5)
+
+
+@array_dataclass
+class IntermediateResult:
+    """An intermediate level's verdict: ``accepted`` [S] (tokens it accepted of the first
+    model's draft) and ``accept_prob`` [S, G] (1 - TV between its distribution and the first
+    model's per drafted position; zeros unless the policy reads it)."""
+
+    accepted: jax.Array
+    accept_prob: jax.Array
+
+
+def intermediate_verify(params: dict, kv: KVCache, batch: ModelInput, st: SamplingTensors,
+                        draft: DraftResult, draft_slots: jax.Array, *, cfg: ModelConfig,
+                        attention_fn, with_signal: bool = False):
+    """A middle model of a chain verifies the first model's draft (SpecRouter §4.2; papers.md
+    "Multi-level"): one forward over each row's pending tokens and the drafted tokens
+    (``input_batch.intermediate_input``), then ``intermediate_accept``. Returns (DraftResult for
+    the target, IntermediateResult, kv)."""
+    logits, kv = verify_forward(params, kv, batch, draft.tokens, draft_slots, cfg=cfg,
+                                attention_fn=attention_fn)
+    out, verdict = intermediate_accept(logits, draft, st, with_signal=with_signal)
+    return out, verdict, kv
+
+
+def intermediate_accept(logits: jax.Array, draft: DraftResult, st: SamplingTensors, *,
+                        with_signal: bool = False):
+    """The middle level's lossless rule: accept draft token x_j with probability
+    min(1, p_mid(x_j) / q(x_j)), q the drafter's processed distribution, on random streams of
+    its own; at the first rejection its correction comes from norm(max(0, p_mid - q)). What
+    survives (the accepted prefix, then the correction; when everything was accepted nothing
+    more: the draft is cut at the window, so the target's γ bucket is the drafter's) is an
+    exact sample of the middle model's processed distribution, token by token, so the target
+    verifies it with q = p_mid: the returned DraftResult carries the middle model's logits.
+
+    logits: [S*(G+1), V] or [S, G+1, V] (column j judges draft token j+1). Returns (DraftResult
+    whose num_drafted = min(accepted + 1, drafted), IntermediateResult)."""
+    num_rows, gamma = draft.tokens.shape
+    verdict = rejection_sample(logits, draft.logits, draft.tokens, draft.num_drafted, st,
+                               streams=_INTERMEDIATE_STREAMS)
+    logits = logits.reshape(num_rows, gamma + 1, logits.shape[-1])[:, :gamma]
+    num_drafted = jnp.minimum(verdict.num_accepted + 1, draft.num_drafted).astype(jnp.int32)
+    if with_signal:
+        p = jax.nn.softmax(logits, axis=-1)
+        q = jax.nn.softmax(draft.logits, axis=-1)
+        accept_prob = jnp.minimum(p, q).sum(-1)
+    else:
+        accept_prob = jnp.zeros((num_rows, gamma), jnp.float32)
+    zeros = jnp.zeros((num_rows, gamma), jnp.float32)
+    out = DraftResult(verdict.tokens[:, :gamma], logits, num_drafted, zeros, zeros)
+    return out, IntermediateResult(verdict.num_accepted, accept_prob)
+
+
 def catch_up(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
              attention_fn) -> KVCache:
     """Feed tokens into a model's KV pool without sampling (the draft catching up)."""

@@ -50,16 +50,53 @@ class _Request:
     last_num_tokens: int = 0
 
 
+def _draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
+    """The draft models as a pool, smallest first (by parameter count: SpecRouter's chains run
+    from small to large), each sharing the target's vocabulary and named uniquely."""
+    if draft is None:
+        return []
+    pool = [draft] if isinstance(draft, LoadedModel) else list(draft)
+    for m in pool:
+        if not isinstance(m, LoadedModel):
+            raise ValueError(f"a draft must be a LoadedModel, got {type(m).__name__}")
+        if m.cfg.vocab_size != target.cfg.vocab_size:
+            which = "draft" if len(pool) == 1 else f"draft {m.name!r}"
+            raise ValueError(
+                f"{which} vocabulary ({m.cfg.vocab_size} tokens) differs from the target's "
+                f"({target.cfg.vocab_size}); speculative decoding needs a shared vocabulary")
+    pool.sort(key=lambda m: m.cfg.num_params())
+    names = [m.name for m in pool]
+    if len(set(names)) < len(names):
+        # same basename from different directories: number them, smallest first
+        for i, m in enumerate(pool):
+            pool[i] = dataclasses.replace(m, name=f"{m.name}{i}")
+    return pool
+
+
+def _check_chains(policy: Policy, pool_size: int) -> frozenset[tuple[int, ...]]:
+    """The chains the policy may play, checked against the pool: indices in range, strictly
+    increasing (each level a larger model than the one it verifies), at most two drafts."""
+    if not pool_size:
+        return frozenset()
+    chains = frozenset(tuple(int(m) for m in c) for c in policy.possible_chains())
+    for c in chains:
+        if (len(c) > 2 or any(not 0 <= m < pool_size for m in c)
+                or any(a >= b for a, b in zip(c, c[1:]))):
+            raise ValueError(f"policy {policy.name!r} may play chain {c}, which the pool of "
+                             f"{pool_size} draft(s) cannot run (pool indices, smallest model "
+                             f"first, increasing, at most two drafts)")
+    return chains
+
+
 class LLMEngine:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None,
+    def __init__(self, target: LoadedModel,
+                 draft: "LoadedModel | list[LoadedModel] | tuple[LoadedModel, ...] | None",
                  config: EngineConfig | None = None, tokenizer=None,
                  policy: Policy | None = None):
         config = config or EngineConfig()
-        if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
-            raise ValueError(
-                f"draft vocabulary ({draft.cfg.vocab_size} tokens) differs from the target's "
-                f"({target.cfg.vocab_size}); speculative decoding needs a shared vocabulary")
-        if draft is None:
+        pool = _draft_pool(target, draft)
+        draft = pool[0] if pool else None
+        if not pool:
             # Without a draft there is nothing to speculate with: plain decoding, no lookahead.
             config = dataclasses.replace(config, num_speculative_tokens=0, policy="off")
         self.config = config
@@ -68,6 +105,17 @@ class LLMEngine:
                                             **config.policy_kwargs)
         if draft is None and not isinstance(self.policy, OffPolicy):
             self.policy = OffPolicy(0)
+        # names of the pool's models, as chains, policy options and metrics call them: one
+        # draft is "draft" whatever it was loaded as
+        self.pool_names = tuple(m.name for m in pool) if len(pool) > 1 else ("draft",)
+        self.policy.set_pool(self.pool_names)
+        self.chains = _check_chains(self.policy, len(pool))
+        if len(pool) > 1 and config.elastic_memory:
+            raise ValueError("elastic_memory offloads one draft model; it does not support a "
+                             f"pool of {len(pool)} drafts yet")
+        if len(pool) > 1 and config.synthetic_acceptance is not None:
+            raise ValueError("synthetic_acceptance models one draft's acceptance; it does not "
+                             f"support a pool of {len(pool)} drafts")
         self.max_gamma = config.num_speculative_tokens
         profile = getattr(self.policy, "profile", None)
         if isinstance(profile, StepProfile) and draft is not None:
@@ -79,8 +127,9 @@ class LLMEngine:
         kv_dtype = (np.dtype(jax.tree_util.tree_leaves(target.params)[0].dtype)
                     if config.dtype == "auto" else np.dtype(jax.numpy.dtype(config.dtype)))
         target_block_bytes = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
-        draft_block_bytes = (KVCache.bytes_per_block(draft.cfg, config.block_size, kv_dtype)
-                             if draft is not None else 0)
+        # every pool model keeps its own KV pool over the same block ids
+        draft_block_bytes = sum(KVCache.bytes_per_block(m.cfg, config.block_size, kv_dtype)
+                                for m in pool)
         # on an accelerator the pool is sized from the memory left once the weights are loaded
         free = device_free_bytes() if config.num_kv_blocks is None else None
         self.rc = resolve(config, target.cfg.max_position_embeddings,
@@ -98,7 +147,7 @@ class LLMEngine:
                                          config.elastic_low_watermark,
                                          config.elastic_persist_steps)
         self.gamma_buckets = gamma_buckets(self.policy.possible_gammas(), self.max_gamma) \
-            if draft is not None else (0,)
+            if draft is not None and self.chains else (0,)
         self.block_manager = BlockManager(self.rc.num_kv_blocks + self.rc.num_extension_blocks,
                                           config.block_size, self.rc.num_extension_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -115,11 +164,12 @@ class LLMEngine:
 
             runner_cls = synthetic_runner(
                 ModelRunner, parse_acceptance(config.synthetic_acceptance, seed=config.seed))
-        self.runner = runner_cls(target, draft, self.rc, self.gamma_buckets, kv_dtype,
+        self.runner = runner_cls(target, pool, self.rc, self.gamma_buckets, kv_dtype,
                                  signals=self.policy.signals if draft is not None else (),
-                                 draft_stats=self.policy.wants_draft_stats)
+                                 draft_stats=self.policy.wants_draft_stats, chains=self.chains)
         self.target = target
         self.metrics = EngineMetrics(max_gamma=self.max_gamma)
+        self.metrics.set_pool(self.policy.pool)
         self.eos_token_ids = set(target.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -210,7 +260,8 @@ class LLMEngine:
         now = time.perf_counter() if arrival_time is None else arrival_time
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids,
                        sampling_params=sampling_params, arrival_index=next(self._arrivals),
-                       arrival_time=now, seed=seed)
+                       arrival_time=now, seed=seed,
+                       draft_computed=[0] * max(1, len(self.runner.pool)))
         capacity = self.block_manager.num_base_usable_blocks * self.config.block_size
         max_tokens = min(sampling_params.max_tokens, self.rc.max_model_len - len(token_ids),
                          capacity - len(token_ids))
@@ -252,7 +303,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.elastic is not None:
             self._elastic_tick()
-        clock = StageClock(sync=self.time_stages)
+        clock = StageClock(sync=self.time_stages or self.policy.timed_stages)
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted)
@@ -268,6 +319,9 @@ class LLMEngine:
             if self.policy.wants_select:
                 self._select(st)
             clock.lap("draft", st.num_drafted)
+            if len(st.chain) > 1:
+                self._intermediate(st)
+                clock.lap("intermediate", st.num_drafted)
         logits, result = self._verify(st)  # decode-only steps sample in the same call
         clock.lap("verify", logits)
         if result is None:
@@ -282,6 +336,9 @@ class LLMEngine:
         t_fetch = time.perf_counter()
         result, signals, drafted = self.runner.fetch(result, signals, st.num_drafted,
                                                      st.draft_tokens, st.row_gammas())
+        if st.intermediate is not None:  # done by now: the transfer above waited for it
+            st.first_drafted, st.intermediate = jax.device_get((st.first_drafted,
+                                                                st.intermediate))
         st.fetch_time = time.perf_counter() - t_fetch
         outputs += self._commit(st, result, drafted)
         clock.lap("commit")
@@ -322,7 +379,7 @@ class LLMEngine:
         self.block_manager.expand()
         # the draft's K/V went with it: after the reload it catches up from the first token
         for seq in self.scheduler.running:
-            seq.num_draft_computed = 0
+            seq.forget_draft_kv()
         self.elastic.expanded_now()
         self.metrics.num_pool_expansions += 1
         self.metrics.pool_expansion_time += time.perf_counter() - t0
@@ -356,7 +413,7 @@ class LLMEngine:
                        num_rows=self._row_bucket(rows, decode_idx),
                        num_prefill_tokens=num_prefill_tokens)
         st.view = self._batch_view(st)
-        if len(decode_idx) and self.draft is not None:
+        if len(decode_idx) and self.chains:
             t_policy = time.perf_counter()
             st.plan = self.policy.plan(st.view)
             self.metrics.policy_time += time.perf_counter() - t_policy
@@ -402,33 +459,44 @@ class LLMEngine:
             raise RuntimeError(f"policy {self.policy.name!r} sets a draft stop rule but does not "
                                f"declare draft_stops = True (the draft loop is compiled without "
                                f"confidence and entropy)")
-        resident = self.draft_resident
+        chain = tuple(int(m) for m in plan.chain)
+        if chain and chain not in self.chains:
+            raise RuntimeError(f"policy {self.policy.name!r} planned chain {chain}, which is not "
+                               f"among its possible_chains() {sorted(self.chains)}")
+        st.chain = chain
+        resident = self.draft_resident and bool(chain)
         for row, gamma in zip(decode_rows, plan.gammas.tolist()):
             req = self._requests[row.seq.request_id]
             # never draft past the request's last token or the reserved KV slots, and never
             # while the draft is away
             room = req.max_tokens - row.seq.num_output_tokens - 1 if resident else 0
             row.gamma_planned = row.gamma_verify = max(0, min(int(gamma), room, row.lookahead))
+        if not any(r.gamma_planned for r in decode_rows):
+            st.chain = ()
 
     def _catch_up(self, st: StepState) -> None:
         """Feed the draft the tokens it missed while γ was 0 (or the prompt), leaving the newest
         one for the draft loop: Nightjar's switching cost."""
-        segments = ib.catch_up_segments(st.rows)
-        if not segments:
-            return
-        rows = self.runner.catch_up_rows
-        for chunk in ib.pack_catch_up(segments, self.rc.max_num_batched_tokens, rows):
-            n = sum(end - first for _, _, first, end in chunk)
-            st.catch_up_tokens += n
-            self.runner.run_catch_up(ib.catch_up_input(chunk, self.runner.catch_up_tokens(n),
-                                                       rows, st.table))
-        for seq, _, _, end in segments:
-            seq.num_draft_computed = end
-        self.runner.sync_draft()
+        for model in st.chain:  # every model of the chain runs this step
+            segments = ib.catch_up_segments(st.rows, model)
+            if not segments:
+                continue
+            rows = self.runner.catch_up_rows
+            for chunk in ib.pack_catch_up(segments, self.rc.max_num_batched_tokens, rows):
+                n = sum(end - first for _, _, first, end in chunk)
+                st.catch_up_tokens += n
+                self.runner.run_catch_up(
+                    ib.catch_up_input(chunk, self.runner.catch_up_tokens(n), rows, st.table),
+                    model)
+            for seq, _, _, end in segments:
+                seq.draft_computed[model] = end
+            self.runner.sync_draft(model)
 
     def _draft(self, st: StepState) -> None:
         """The on-device draft loop over the step's rows."""
-        first, next_positions, gammas = ib.draft_first_input(st.rows, st.num_rows, st.table)
+        model = st.chain[0]
+        first, next_positions, gammas = ib.draft_first_input(st.rows, st.num_rows, st.table,
+                                                             model)
         stop_conf = np.zeros(st.num_rows, np.float32)
         stop_ent = np.full(st.num_rows, np.inf, np.float32)
         if st.plan.stop_confidence is not None:
@@ -436,7 +504,18 @@ class LLMEngine:
         if st.plan.stop_entropy is not None:
             stop_ent[st.decode_idx] = st.plan.stop_entropy
         st.draft_inputs = (first, next_positions, st.table, gammas, stop_conf, stop_ent)
-        st.draft = self.runner.run_draft(*st.draft_inputs, st.sampling, st.gamma)
+        st.draft = self.runner.run_draft(*st.draft_inputs, st.sampling, st.gamma, model)
+        st.num_drafted = st.draft.num_drafted
+
+    def _intermediate(self, st: StepState) -> None:
+        """A two-level chain: the middle model verifies the first model's draft on device
+        (``device_steps.intermediate_verify``); what it keeps, with its own distribution as q,
+        is the draft the target verifies. Nothing visits the host."""
+        model = st.chain[1]
+        batch, slots = ib.intermediate_input(st.rows, st.num_rows, st.gamma, st.table, model)
+        st.first_drafted = st.draft.num_drafted
+        st.draft, st.intermediate = self.runner.run_intermediate(batch, st.sampling, st.draft,
+                                                                 slots, st.gamma, model)
         st.num_drafted = st.draft.num_drafted
 
     def _select(self, st: StepState) -> None:
@@ -521,6 +600,15 @@ class LLMEngine:
         num_drafted = np.asarray(drafted)[idx] if gamma else np.zeros(n, np.int64)
         verified = np.minimum(num_drafted, verify)
         accepted = np.minimum(result.num_accepted[idx], verified)
+        inter_accepted = inter_prob = None
+        if gamma and st.intermediate is not None:
+            # the first model drafted; the middle one accepted some and sent the target its own
+            num_drafted = np.asarray(st.first_drafted)[idx].astype(np.int64)
+            inter_accepted = np.minimum(st.intermediate.accepted[idx], num_drafted)
+            inter_prob = np.full((n, self.max_gamma), np.nan, np.float32)
+            if "accept_prob" in self.runner.signals:
+                mask = np.arange(gamma)[None, :] < num_drafted[:, None]
+                inter_prob[:, :gamma] = np.where(mask, st.intermediate.accept_prob[idx], np.nan)
         emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
 
         def signal(name):
@@ -543,7 +631,9 @@ class LLMEngine:
             accept_prob=signal("accept_prob"), kl=signal("kl"),
             draft_entropy=signal("draft_entropy"), confidence=signal("confidence"),
             stage_times=dict(t), gamma_bucket=gamma, num_tokens=st.num_tokens,
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            chain=st.chain if gamma else (), intermediate_time=t["intermediate"],
+            intermediate_accepted=inter_accepted, intermediate_accept_prob=inter_prob)
 
     # ------------------------------------------------------------------ commit
     def _commit(self, st: StepState, result, drafted) -> list[RequestOutput]:
@@ -553,6 +643,9 @@ class LLMEngine:
         accepted_all = result.num_accepted.tolist()
         tokens_all = result.tokens.tolist()
         drafted = np.asarray(drafted).tolist() if st.gamma else None
+        if st.intermediate is not None:
+            first_drafted = np.asarray(st.first_drafted).tolist()
+            inter_accepted = np.asarray(st.intermediate.accepted).tolist()
         for i, row in enumerate(st.rows):
             seq = row.seq
             req = self._requests[seq.request_id]
@@ -567,8 +660,18 @@ class LLMEngine:
                 seq.num_computed = old_num_tokens + n
                 if row.gamma_verify > 0:
                     d = min(drafted[i], row.gamma_verify)
-                    seq.num_draft_computed = min(old_num_tokens + max(d - 1, 0),
-                                                 old_num_tokens + n)
+                    if st.intermediate is None:
+                        # the draft fed its first d - 1 tokens; those the target kept stay
+                        seq.draft_computed[st.chain[0]] = min(old_num_tokens + max(d - 1, 0),
+                                                              old_num_tokens + n)
+                    else:
+                        # the first model fed d1 - 1 of its tokens, the middle one all d1; a
+                        # token stays valid while it is in the output: among the middle
+                        # model's accepted a1 and the target's accepted n
+                        d1, a1 = first_drafted[i], inter_accepted[i]
+                        seq.draft_computed[st.chain[0]] = old_num_tokens + min(max(d1 - 1, 0),
+                                                                               n, a1)
+                        seq.draft_computed[st.chain[1]] = old_num_tokens + min(d1, n, a1)
                     seq.num_drafted += d
                     seq.num_accepted += n
                     seq.num_spec_steps += 1
@@ -664,7 +767,8 @@ class LLMEngine:
                 num_kv_extension_blocks=self.block_manager.num_extension_blocks,
                 vocab_size=self.target.cfg.vocab_size, has_draft=self.draft is not None,
                 policy=self.policy.name, max_gamma=self.max_gamma,
-                gamma_buckets=tuple(self.gamma_buckets))
+                gamma_buckets=tuple(self.gamma_buckets),
+                draft_pool=self.pool_names if self.runner.pool else ())
         return limits
 
     def stats(self) -> EngineStats:

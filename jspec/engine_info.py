@@ -33,6 +33,7 @@ class EngineLimits:
     policy: str  # the speculation policy's name
     max_gamma: int  # the most draft tokens a sequence may get in one step
     gamma_buckets: tuple[int, ...]  # the γ values steps are compiled for ((0,) without a draft)
+    draft_pool: tuple[str, ...] = ()  # the drafts' names, smallest first (chains index them)
     # elastic memory: blocks the pool gains while the draft is offloaded (0 without it); a
     # request must fit in num_kv_blocks, the extension is extra room for the batch
     num_kv_extension_blocks: int = 0

@@ -114,9 +114,24 @@ def verify_input(rows: list[RowWork], num_tokens: int, num_rows: int, gamma: int
     return batch, draft_slots
 
 
-def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray
+def _feed_pending(seq: Sequence, model: int, start: int, input_ids: np.ndarray,
+                  positions: np.ndarray, num_drafts: int = 0) -> int:
+    """Write the tokens pool model ``model`` has not seen (1 or 2: longer lags are caught up
+    first) at ``start``, positions for them and ``num_drafts`` placeholders after them; returns
+    how many were pending."""
+    first, end = seq.draft_computed[model], seq.num_tokens
+    pending = end - first
+    assert 1 <= pending <= 2, "a pool model's lag must be caught up before it runs"
+    for j in range(pending):
+        input_ids[start + j] = seq.token_at(first + j)
+    positions[start:start + pending + num_drafts] = np.arange(first, end + num_drafts)
+    return pending
+
+
+def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray, model: int = 0
                       ) -> tuple[ModelInput, np.ndarray, np.ndarray]:
-    """Iteration 0 of the draft loop: each drafting row feeds its pending tokens (1 or 2).
+    """Iteration 0 of the draft loop of pool model ``model``: each drafting row feeds its
+    pending tokens (1 or 2).
 
     Returns (batch with 2*S tokens and S logits rows, next_positions [S], gammas [S]).
     """
@@ -131,13 +146,8 @@ def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray
     start = 0
     for i, row in enumerate(rows):
         if row.gamma_planned > 0:
-            seq = row.seq
-            first, end = seq.num_draft_computed, seq.num_tokens
-            q_len = end - first
-            assert 1 <= q_len <= 2, "draft lag must be caught up before the draft loop"
-            for j in range(q_len):
-                input_ids[start + j] = seq.token_at(first + j)
-            positions[start:start + q_len] = np.arange(first, end)
+            q_len = _feed_pending(row.seq, model, start, input_ids, positions)
+            end = row.seq.num_tokens
             kv_lens[i] = end
             logits_indices[i] = start + q_len - 1
             next_positions[i] = end
@@ -149,14 +159,50 @@ def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray
     return batch, next_positions, gammas
 
 
-def catch_up_segments(rows: list[RowWork]) -> list[tuple[Sequence, int, int, int]]:
-    """(seq, row index, first, end) of draft tokens to feed before drafting: everything but the
-    newest token, for drafting rows whose draft lags by more than 2 tokens."""
+def intermediate_input(rows: list[RowWork], num_rows: int, gamma: int, table: np.ndarray,
+                       model: int) -> tuple[ModelInput, np.ndarray]:
+    """The batch in which pool model ``model`` verifies the first model's draft (a two-level
+    chain): each drafting row feeds its pending tokens (1 or 2, as in ``draft_first_input``)
+    and then its γ_i drafted tokens as placeholders (scattered in on device, like the target's
+    verify batch); prefill and non-drafting rows bring nothing. Logits rows are dense [S, G+1]
+    (column j judges draft token j+1; column γ_i is the bonus). Returns (batch with
+    ``num_rows * (G + 2)`` tokens, draft_slots [S, G])."""
+    num_tokens = num_rows * (gamma + 2)
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    cu_q_lens = np.zeros(num_rows + 1, np.int32)
+    kv_lens = np.zeros(num_rows, np.int32)
+    logits_indices = np.zeros((num_rows, gamma + 1), np.int32)
+    draft_slots = np.full((num_rows, gamma), num_tokens, np.int32)
+    cols = np.arange(gamma + 1)
+    start = 0
+    for i, row in enumerate(rows):
+        g = row.gamma_planned
+        if g > 0:
+            pending = _feed_pending(row.seq, model, start, input_ids, positions, g)
+            end = row.seq.num_tokens
+            kv_lens[i] = end + g
+            logits_indices[i] = start + pending - 1 + np.minimum(cols, g)
+            draft_slots[i, :g] = start + pending + np.arange(g)
+            start += pending + g
+        cu_q_lens[i + 1] = start
+    cu_q_lens[len(rows) + 1:] = start
+    batch = _model_input(input_ids, positions, cu_q_lens, kv_lens, table,
+                         logits_indices.reshape(-1))
+    return batch, draft_slots
+
+
+def catch_up_segments(rows: list[RowWork], model: int = 0
+                      ) -> list[tuple[Sequence, int, int, int]]:
+    """(seq, row index, first, end) of tokens pool model ``model`` must be fed before it runs:
+    everything but the newest token, for drafting rows whose ``model`` KV lags by more than 2
+    tokens."""
     segments = []
     for i, row in enumerate(rows):
         seq = row.seq
-        if row.gamma_planned > 0 and seq.num_tokens - seq.num_draft_computed > 2:
-            segments.append((seq, i, seq.num_draft_computed, seq.num_tokens - 1))
+        computed = seq.draft_computed[model]
+        if row.gamma_planned > 0 and seq.num_tokens - computed > 2:
+            segments.append((seq, i, computed, seq.num_tokens - 1))
     return segments
 
 

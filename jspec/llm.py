@@ -27,15 +27,26 @@ def load_model(path: str | os.PathLike, dtype: str, name: str):
     return LoadedModel(cfg=cfg, params=params, name=name)
 
 
+def _pool_names(paths: list) -> list[str]:
+    """Names of a pool's models: one draft is "draft"; several are named by their directory
+    (what a chain, a policy option and the metrics call them)."""
+    if len(paths) == 1:
+        return ["draft"]
+    return [os.path.basename(os.path.normpath(os.fspath(p))) or "draft" for p in paths]
+
+
 def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
-                 draft: "str | os.PathLike | LoadedModel | None" = None,
+                 draft: "str | os.PathLike | LoadedModel | Seq[str | os.PathLike | LoadedModel]"
+                        " | None" = None,
                  *, tokenizer: str | os.PathLike | None = None,
                  policy_obj=None, **engine_kwargs: Any):
-    """Load the models and build an LLMEngine; ``target=None`` uses the built-in default pair.
+    """Load the models and build an LLMEngine; ``target=None`` uses the built-in default pair
+    (with its middle model too when the policy runs chains of several drafts: SpecRouter).
     ``target`` / ``draft`` are checkpoint directories or models already loaded (then
-    ``tokenizer`` is required)."""
+    ``tokenizer`` is required); ``draft`` may be a list: a pool of drafts for SpecRouter's
+    chains."""
     from jspec.config import resolve_dtype
-    from jspec.default_models import cache_dir, default_pair
+    from jspec.default_models import cache_dir, default_pair, default_pool
     from jspec.engine import LLMEngine
     from jspec.platform import warn_if_slow_cpu_bf16
     from jspec.runner import LoadedModel, enable_persistent_compilation_cache
@@ -44,12 +55,27 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
     if os.environ.get("JSPEC_COMPILATION_CACHE", "on").lower() not in ("0", "off", "false"):
         enable_persistent_compilation_cache(str(cache_dir() / "xla"))
 
-    if target is None:
-        if draft is not None:
-            raise ValueError("a draft was given without a target; give both or neither")
-        target, draft = default_pair()
     policy_options = engine_kwargs.pop("policy_options", None) or {}
     config = EngineConfig(policy_options=tuple(sorted(policy_options.items())), **engine_kwargs)
+    names = None
+    if target is None:
+        if draft is not None and not (isinstance(draft, (list, tuple)) and not draft):
+            raise ValueError("a draft was given without a target; give both or neither")
+        target, draft = default_pair()
+        from policies import make_policy
+
+        probe = policy_obj or make_policy(config.policy, config.num_speculative_tokens,
+                                          **config.policy_kwargs)
+        if probe.wants_pool:
+            target, pool = default_pool()
+            names, draft = list(pool), list(pool.values())
+    if isinstance(draft, (list, tuple)):
+        if not draft:
+            draft = None
+        elif len(draft) == 1:
+            draft = draft[0]
+        else:
+            names = names or _pool_names(draft)
     # an explicit bfloat16 on a CPU backend started without jspec.platform's flag: warn once
     # ("auto" resolves to float32 there)
     warn_if_slow_cpu_bf16(config.dtype, stacklevel=2)
@@ -59,8 +85,12 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         raise ValueError("a target given as a loaded model needs a tokenizer directory")
     target_model = target if isinstance(target, LoadedModel) else load_model(target, dtype,
                                                                              "target")
-    draft_model = draft if draft is None or isinstance(draft, LoadedModel) else load_model(
-        draft, dtype, "draft")
+    if isinstance(draft, list):
+        draft_model = [d if isinstance(d, LoadedModel) else load_model(d, dtype, name)
+                       for d, name in zip(draft, names)]
+    else:
+        draft_model = draft if draft is None or isinstance(draft, LoadedModel) else load_model(
+            draft, dtype, "draft")
     tok = load_tokenizer(tokenizer or target)
     return LLMEngine(target_model, draft_model, config, tokenizer=tok, policy=policy_obj)
 
@@ -73,6 +103,12 @@ class LLM:
     ...           num_speculative_tokens=4)
     >>> outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
     >>> outs[0].text, outs[0].spec.acceptance_rate
+    >>> llm = LLM(target="7b", draft=["0.5b", "1.5b"], policy="specrouter")  # a pool: chains
+
+    ``draft`` may be a list of checkpoint directories sharing the target's vocabulary: a pool
+    from which SpecRouter (``policy="specrouter"``) picks chains such as small -> mid -> target;
+    the other policies draft with the pool's smallest model. With no models given,
+    ``policy="specrouter"`` runs the built-in pool (draft, mid, target).
 
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
@@ -80,7 +116,8 @@ class LLM:
     """
 
     def __init__(self, target: str | os.PathLike | None = None,
-                 draft: str | os.PathLike | None = None, *, policy: str = "static",
+                 draft: "str | os.PathLike | Seq[str | os.PathLike] | None" = None, *,
+                 policy: str = "static",
                  num_speculative_tokens: int = 4, dtype: str = "auto",
                  tokenizer: str | os.PathLike | None = None, **engine_kwargs: Any):
         self.engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy,

@@ -26,6 +26,7 @@ class EngineMetrics:
     # time (seconds, summed over steps)
     step_time: float = 0.0
     draft_time: float = 0.0
+    intermediate_time: float = 0.0  # middle models of chains verifying drafts (SpecRouter)
     verify_time: float = 0.0
     catch_up_time: float = 0.0
     catch_up_tokens: int = 0
@@ -47,6 +48,17 @@ class EngineMetrics:
         # batch-size bucket (policies.base.batch_bucket) -> γ histogram of the steps at that load
         self.gamma_histogram_by_batch: dict[int, np.ndarray] = {}
         self.stage_time: dict[str, float] = {}  # seconds per step stage (policies.base.STAGES)
+        # decoding steps per chain of models (SpecRouter), overall and per batch-size bucket;
+        # labels name the pool's models (set_pool), e.g. "draft>mid>target", "target"
+        self.pool_names: tuple[str, ...] = ("draft",)
+        self.chain_histogram: dict[str, int] = {}
+        self.chain_histogram_by_batch: dict[int, dict[str, int]] = {}
+
+    def set_pool(self, names) -> None:
+        self.pool_names = tuple(names)
+
+    def chain_label(self, chain) -> str:
+        return ">".join([self.pool_names[m] for m in chain] + ["target"])
 
     def observe(self, outcome: StepOutcome) -> None:
         """Fold in one step's record (every step that ran, prefill-only steps included)."""
@@ -54,16 +66,21 @@ class EngineMetrics:
         self.num_prefill_tokens += outcome.num_prefill_tokens
         self.step_time += outcome.step_time
         self.draft_time += outcome.draft_time
+        self.intermediate_time += outcome.intermediate_time
         self.verify_time += outcome.verify_time
         self.catch_up_time += outcome.catch_up_time
         self.catch_up_tokens += outcome.catch_up_tokens
         self.host_time += (outcome.step_time - outcome.draft_time - outcome.verify_time
-                           - outcome.catch_up_time)
+                           - outcome.catch_up_time - outcome.intermediate_time)
         for stage, seconds in outcome.stage_times.items():
             self.stage_time[stage] = self.stage_time.get(stage, 0.0) + seconds
         if outcome.num_decode:
             self.record_spec(outcome.gammas, outcome.num_verified, outcome.num_accepted,
                              outcome.num_emitted, outcome.batch_size)
+            label = self.chain_label(outcome.chain)
+            self.chain_histogram[label] = self.chain_histogram.get(label, 0) + 1
+            hist = self.chain_histogram_by_batch.setdefault(batch_bucket(outcome.batch_size), {})
+            hist[label] = hist.get(label, 0) + 1
 
     def record_spec(self, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
                     num_emitted: np.ndarray, batch_size: int = 0) -> None:
@@ -97,6 +114,9 @@ class EngineMetrics:
         out["gamma_histogram_by_batch"] = {str(b): h.tolist() for b, h in
                                            sorted(self.gamma_histogram_by_batch.items())}
         out["stage_time"] = dict(self.stage_time)
+        out["chain_histogram"] = dict(self.chain_histogram)
+        out["chain_histogram_by_batch"] = {str(b): dict(h) for b, h in
+                                           sorted(self.chain_histogram_by_batch.items())}
         out["policy_time_per_step"] = self.policy_time / self.policy_calls if self.policy_calls \
             else 0.0
         out["acceptance_rate"] = self.acceptance_rate

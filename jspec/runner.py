@@ -108,17 +108,27 @@ class LoadedModel:
 
 
 class ModelRunner:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, rc: ResolvedConfig,
-                 gamma_buckets: tuple[int, ...], kv_dtype, signals: tuple[str, ...] = (),
-                 draft_stats: bool = False):
+    def __init__(self, target: LoadedModel, draft: "LoadedModel | list[LoadedModel] | None",
+                 rc: ResolvedConfig, gamma_buckets: tuple[int, ...], kv_dtype,
+                 signals: tuple[str, ...] = (), draft_stats: bool = False,
+                 chains: frozenset[tuple[int, ...]] = frozenset({(0,)})):
         self.target = target
-        self.draft = draft
+        # The draft pool (smallest first): each model has its own KV pool over the same block
+        # ids, so one block manager and one page table per sequence serve every model.
+        if draft is None:
+            self.pool: list[LoadedModel] = []
+        elif isinstance(draft, LoadedModel):
+            self.pool = [draft]
+        else:
+            self.pool = list(draft)
         self.rc = rc
         self.gamma_buckets = gamma_buckets
         self.kv_dtype = kv_dtype
         # what the policy reads (policies.base.Policy.signals / wants_draft_stats): compiled in
         self.signals = tuple(sorted(signals))
         self.draft_stats = bool(draft_stats)
+        # the chains the policy may play (Policy.possible_chains): what gets compiled
+        self.chains = frozenset(c for c in chains if c) if self.pool else frozenset()
         self.kernel_backend = kernel_backend.resolve(rc.engine.kernel_backend)
         self._attn = kernel_backend.attention_fn(self.kernel_backend)
         # Elastic memory's extension (jspec/elastic.py): "segments" adds it to the target's
@@ -134,9 +144,10 @@ class ModelRunner:
             rc.num_extension_blocks if self.extension_layout == "preallocated" else 0)
         self.target_kv = KVCache.create(target.cfg, self._one_array_blocks, rc.engine.block_size,
                                         kv_dtype)
-        self.draft_kv = (KVCache.create(draft.cfg, rc.num_kv_blocks, rc.engine.block_size,
-                                        kv_dtype) if draft is not None else None)
-        self.draft_resident = draft is not None
+        self.pool_kv: list[KVCache | None] = [
+            KVCache.create(m.cfg, rc.num_kv_blocks, rc.engine.block_size, kv_dtype)
+            for m in self.pool]
+        self.draft_resident = bool(self.pool)
         self._draft_host = None  # the draft's params in host memory, once offloaded
         self._draft_shardings = None
         self._local: dict[tuple, Any] = {}
@@ -144,6 +155,33 @@ class ModelRunner:
         self.migrate_bucket = min(256, 1 << (max(16, rc.num_extension_blocks) - 1).bit_length())
         self.num_compiled = 0  # executables this runner had to build (not found in the cache)
         self.compile_seconds = 0.0
+
+    # The pool's first model is "the draft" of single-draft policies and of elastic memory.
+    @property
+    def draft(self) -> LoadedModel | None:
+        return self.pool[0] if self.pool else None
+
+    @draft.setter
+    def draft(self, model: LoadedModel) -> None:
+        self.pool[0] = model
+
+    @property
+    def draft_kv(self) -> KVCache | None:
+        return self.pool_kv[0] if self.pool_kv else None
+
+    @draft_kv.setter
+    def draft_kv(self, kv: KVCache | None) -> None:
+        self.pool_kv[0] = kv
+
+    @property
+    def drafters(self) -> list[int]:
+        """Pool models that start some chain (they run the draft loop)."""
+        return sorted({c[0] for c in self.chains})
+
+    @property
+    def intermediates(self) -> list[int]:
+        """Pool models that verify inside some chain."""
+        return sorted({m for c in self.chains for m in c[1:]})
 
     # ------------------------------------------------------------------ executables
     def _executable(self, key: tuple, model: LoadedModel | None, build: Callable[[], Any]):
@@ -301,15 +339,18 @@ class ModelRunner:
         return self._executable(("signals", num_seqs, gamma, self.target.cfg.vocab_size,
                                  self.signals), None, build)
 
-    def draft_executable(self, num_seqs: int, gamma: int):
+    def draft_executable(self, num_seqs: int, gamma: int, model: int = 0):
+        """Pool model ``model``'s draft loop of up to ``gamma`` tokens."""
+        m = self.pool[model]
+
         def build():
-            fn = functools.partial(device_steps.draft_loop, cfg=self.draft.cfg,
+            fn = functools.partial(device_steps.draft_loop, cfg=m.cfg,
                                    num_steps=gamma, attention_fn=self._attn,
                                    with_stats=self.draft_stats)
             i32, f32 = jnp.int32, jnp.float32
             s = (num_seqs,)
             specs = (
-                _spec(self.draft.params), _spec(self.draft_kv),
+                _spec(m.params), _spec(self.pool_kv[model]),
                 self._input_spec(2 * num_seqs, num_seqs, num_seqs),
                 jax.ShapeDtypeStruct(s, i32),
                 jax.ShapeDtypeStruct((num_seqs, self.rc.max_pages), i32),
@@ -320,19 +361,46 @@ class ModelRunner:
             )
             return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
-        return self._executable(("draft", num_seqs, gamma, self.draft_stats), self.draft, build)
+        return self._executable(("draft", num_seqs, gamma, self.draft_stats, model), m, build)
 
-    def catch_up_executable(self, num_tokens: int):
-        """Draft catch-up over ``num_tokens`` tokens. Rare (after γ = 0 stretches and prefills),
-        so one row bucket (max_num_seqs) serves every catch-up: a third of the buckets fewer."""
+    def intermediate_executable(self, num_seqs: int, gamma: int, model: int):
+        """Pool model ``model`` verifying a γ-token draft inside a chain
+        (``device_steps.intermediate_verify``) over ``num_seqs * (gamma + 2)`` tokens."""
+        m = self.pool[model]
+        with_signal = "accept_prob" in self.signals
+
         def build():
-            fn = functools.partial(device_steps.catch_up, cfg=self.draft.cfg,
-                                   attention_fn=self._attn)
-            specs = (_spec(self.draft.params), _spec(self.draft_kv),
+            vocab = m.cfg.vocab_size
+            fn = functools.partial(device_steps.intermediate_verify, cfg=m.cfg,
+                                   attention_fn=self._attn, with_signal=with_signal)
+            i32, f32 = jnp.int32, jnp.float32
+            draft = device_steps.DraftResult(
+                tokens=jax.ShapeDtypeStruct((num_seqs, gamma), i32),
+                logits=jax.ShapeDtypeStruct((num_seqs, gamma, vocab), f32),
+                num_drafted=jax.ShapeDtypeStruct((num_seqs,), i32),
+                confidence=jax.ShapeDtypeStruct((num_seqs, gamma), f32),
+                entropy=jax.ShapeDtypeStruct((num_seqs, gamma), f32))
+            specs = (_spec(m.params), _spec(self.pool_kv[model]),
+                     self._input_spec(num_seqs * (gamma + 2), num_seqs, num_seqs * (gamma + 1)),
+                     self._sampling_spec(num_seqs), draft,
+                     jax.ShapeDtypeStruct((num_seqs, gamma), i32))
+            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
+
+        return self._executable(("intermediate", num_seqs, gamma, with_signal, model), m, build)
+
+    def catch_up_executable(self, num_tokens: int, model: int = 0):
+        """Catch-up of pool model ``model`` over ``num_tokens`` tokens. Rare (after γ = 0
+        stretches, chain switches and prefills), so one row bucket (max_num_seqs) serves every
+        catch-up: a third of the buckets fewer."""
+        m = self.pool[model]
+
+        def build():
+            fn = functools.partial(device_steps.catch_up, cfg=m.cfg, attention_fn=self._attn)
+            specs = (_spec(m.params), _spec(self.pool_kv[model]),
                      self._input_spec(num_tokens, self.catch_up_rows, 2))
             return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
 
-        return self._executable(("catch_up", num_tokens, self.catch_up_rows), self.draft, build)
+        return self._executable(("catch_up", num_tokens, self.catch_up_rows, model), m, build)
 
     @property
     def catch_up_rows(self) -> int:
@@ -393,17 +461,27 @@ class ModelRunner:
             raise RuntimeError("the draft model is offloaded (elastic memory): reload it first")
 
     def run_draft(self, first: ModelInput, next_positions, page_table, gammas, stop_confidence,
-                  stop_entropy, st: SamplingTensors, gamma: int):
+                  stop_entropy, st: SamplingTensors, gamma: int, model: int = 0):
         self._check_draft_resident()
-        exe = self.draft_executable(gammas.shape[0], gamma)
-        result, self.draft_kv = exe(self.draft.params, self.draft_kv, first, next_positions,
-                                    page_table, gammas, stop_confidence, stop_entropy, st)
+        exe = self.draft_executable(gammas.shape[0], gamma, model)
+        result, self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model], first,
+                                          next_positions, page_table, gammas, stop_confidence,
+                                          stop_entropy, st)
         return result
 
-    def run_catch_up(self, batch: ModelInput) -> None:
+    def run_intermediate(self, batch: ModelInput, st: SamplingTensors, draft, draft_slots,
+                         gamma: int, model: int):
+        """(DraftResult for the target, IntermediateResult), both on device."""
         self._check_draft_resident()
-        exe = self.catch_up_executable(batch.input_ids.shape[0])
-        self.draft_kv = exe(self.draft.params, self.draft_kv, batch)
+        exe = self.intermediate_executable(st.temperature.shape[0], gamma, model)
+        out, verdict, self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model],
+                                                batch, st, draft, draft_slots)
+        return out, verdict
+
+    def run_catch_up(self, batch: ModelInput, model: int = 0) -> None:
+        self._check_draft_resident()
+        exe = self.catch_up_executable(batch.input_ids.shape[0], model)
+        self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model], batch)
 
     def _migration(self, key: tuple, model: LoadedModel, spec: KVCache):
         """One chunk of a migration plan (``migrate_bucket`` pairs) over a pool of ``spec``."""
@@ -435,8 +513,9 @@ class ModelRunner:
         rewrites its page tables. Plans run in chunks of ``migrate_bucket`` pairs, padded with
         null pairs, so one compiled size serves every plan."""
         num_blocks = self.target_kv.num_blocks
-        if self.draft_kv is not None:
-            num_blocks = min(num_blocks, self.draft_kv.num_blocks)
+        for kv in self.pool_kv:
+            if kv is not None:
+                num_blocks = min(num_blocks, kv.num_blocks)
         pairs = validate_pairs(pairs, num_blocks)
         if not len(pairs):
             return 0
@@ -446,14 +525,16 @@ class ModelRunner:
             # numpy straight in: jnp.asarray would compile a 'stage' per new shape (jax 0.10)
             padded = pad_pairs(pairs[start:start + bucket], bucket)
             self.target_kv = KVCache(*target_exe(self.target_kv.k, self.target_kv.v, padded))
-            if self.draft_kv is not None:
-                exe = self._migration((), self.draft, _spec(self.draft_kv))
-                self.draft_kv = KVCache(*exe(self.draft_kv.k, self.draft_kv.v, padded))
+            for m, kv in enumerate(self.pool_kv):
+                if kv is not None:
+                    exe = self._migration((m,), self.pool[m], _spec(kv))
+                    self.pool_kv[m] = KVCache(*exe(kv.k, kv.v, padded))
         return len(pairs)
 
-    def sync_draft(self) -> None:
-        if self.draft_kv is not None:
-            self.draft_kv.k.block_until_ready()
+    def sync_draft(self, model: int = 0) -> None:
+        kv = self.pool_kv[model] if self.pool_kv else None
+        if kv is not None:
+            kv.k.block_until_ready()
 
     # ------------------------------------------------------------------ elastic memory
     def offload_draft(self) -> None:
@@ -522,8 +603,8 @@ class ModelRunner:
 
         return {"target_params": nbytes(self.target.params),
                 "target_kv": nbytes(self.target_kv),
-                "draft_params": nbytes(self.draft.params) if self.draft is not None else 0,
-                "draft_kv": nbytes(self.draft_kv)}
+                "draft_params": sum(nbytes(m.params) for m in self.pool),
+                "draft_kv": sum(nbytes(kv) for kv in self.pool_kv)}
 
     def reload_draft(self) -> None:
         """Start copying the draft's weights back and allocate its (empty) KV pool; returns at
@@ -561,13 +642,14 @@ class ModelRunner:
         two-segment pool and the extension's allocation.
         """
         rc = self.rc
-        drafting = [g for g in self.gamma_buckets if g > 0] if self.draft is not None else []
+        drafting = [g for g in self.gamma_buckets if g > 0] if self.chains else []
         gammas = [0] + drafting
         widest = rc.seq_buckets[-1]
         plan = []
         for s in rc.seq_buckets:
             plan += [("verify_accept", s, g) for g in gammas]
-            plan += [("draft", s, g) for g in drafting]
+            plan += [("draft", s, g, m) for g in drafting for m in self.drafters]
+            plan += [("intermediate", s, g, m) for g in drafting for m in self.intermediates]
             if self.signals:
                 plan += [("signals", s, g) for g in drafting]
         # prefill next to a drafting sequence needs two sequences at least
@@ -575,7 +657,8 @@ class ModelRunner:
         plan += [("verify", t, widest, g) for g in mixed for t in rc.token_buckets]
         plan += [("accept", widest, g) for g in mixed]
         if drafting:
-            plan += [("catch_up", t) for t in self.catch_up_buckets]
+            plan += [("catch_up", t, m) for m in sorted({m for c in self.chains for m in c})
+                     for t in self.catch_up_buckets]
         if self.extension_layout == "segments":
             # the pool with its extension segment runs γ = 0 only (the draft is away), and the
             # contraction's migration moves blocks between the two segments

@@ -183,9 +183,15 @@ def rejection_sample(
     draft_tokens: jax.Array,
     num_drafted: jax.Array,
     st: SamplingTensors,
+    streams: tuple[int, int] = (1, 2),
 ) -> VerifyResult:
     """target_logits [S, G+1, V] (or the verify forward's flat [S*(G+1), V]); draft_logits
     [S, G, V]; draft_tokens [S, G]; num_drafted [S].
+
+    ``streams``: the random streams (``row_uniforms``) of the acceptance tests and of the final
+    draw. An intermediate level of a chain verifies with streams of its own, so its decisions
+    are independent of the target's (shared uniforms would correlate the two levels' accepts
+    and bias the output).
 
     The runner compiles this apart from the target forward, per (sequences, γ) bucket only:
     sampling costs far more to compile than the forward, which also varies with the token bucket.
@@ -213,8 +219,8 @@ def rejection_sample(
         logq = processed_logprobs(draft_logits, st)  # [S, G, V]
         p_tok = jnp.take_along_axis(logp[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]
         q_tok = jnp.take_along_axis(logq, draft_tokens[..., None], axis=-1)[..., 0]
-        uniforms = row_uniforms(st, stream=1, count=gamma)
-        final_u = row_uniforms(st, stream=2, count=1)[:, 0]
+        uniforms = row_uniforms(st, stream=streams[0], count=gamma)
+        final_u = row_uniforms(st, stream=streams[1], count=1)[:, 0]
         # accept iff u * q <= p  (i.e. u <= p/q), computed in log space
         ok = (jnp.log(uniforms) + q_tok <= p_tok) & drafted
         n = first_false(ok)

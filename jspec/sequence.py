@@ -24,10 +24,11 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request's sequence.
 
-    ``num_computed`` counts the tokens whose K/V the target pool holds; ``num_draft_computed``
-    the same for the draft pool (it lags while the policy chooses γ = 0, and the draft catches up
-    before it drafts again). In steady decoding ``num_computed == num_tokens - 1``: the newest
-    token is fed in the next step.
+    ``num_computed`` counts the tokens whose K/V the target pool holds; ``draft_computed[m]``
+    the same for pool model m's KV pool (it lags while the policy chooses γ = 0 or a chain
+    without m, and m catches up before it runs again); ``num_draft_computed`` is the first
+    model's. In steady decoding ``num_computed == num_tokens - 1``: the newest token is fed in
+    the next step.
     """
 
     request_id: str
@@ -37,7 +38,7 @@ class Sequence:
     arrival_time: float = 0.0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
-    num_draft_computed: int = 0
+    draft_computed: list[int] = dataclasses.field(default_factory=lambda: [0])
     status: SequenceStatus = SequenceStatus.WAITING
     seed: int = 0  # per-request PRNG seed (drawn by the engine when the request gave none)
     num_preemptions: int = 0
@@ -48,6 +49,18 @@ class Sequence:
     num_steps: int = 0
     # time of the first output token (for TTFT); set by the engine
     first_token_time: float | None = None
+
+    @property
+    def num_draft_computed(self) -> int:
+        return self.draft_computed[0]
+
+    @num_draft_computed.setter
+    def num_draft_computed(self, value: int) -> None:
+        self.draft_computed[0] = value
+
+    def forget_draft_kv(self) -> None:
+        """Every pool model's K/V of this sequence is gone (preemption, offload)."""
+        self.draft_computed = [0] * len(self.draft_computed)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +93,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: forget all KV; prompt + outputs so far are prefilled again."""
         self.num_computed = 0
-        self.num_draft_computed = 0
+        self.forget_draft_kv()
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

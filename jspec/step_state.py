@@ -27,10 +27,15 @@ class StepState:
     view: BatchView | None = None
     plan: DraftPlan | None = None
     gamma: int = 0  # the γ bucket: 0 means no draft work and no draft tensors at all
+    chain: tuple[int, ...] = ()  # the pool models drafting this step (DraftPlan.chain)
     table: np.ndarray | None = None  # page table [num_rows, max_pages]
     sampling: Any = None  # SamplingTensors [num_rows]
     draft: Any = None  # DraftResult (device), when the step drafted
     num_drafted: Any = None  # [num_rows] drafted tokens to verify (device, or host after select)
+    # a two-level chain: what the first model drafted [num_rows] and the middle model's
+    # verdict (device_steps.IntermediateResult); ``draft`` then holds the middle model's draft
+    first_drafted: Any = None
+    intermediate: Any = None
     draft_inputs: tuple | None = None  # the draft loop's host inputs (benchmarks replay them)
     batch: Any = None  # the verify batch (ModelInput, drafts as placeholders)
     draft_slots: np.ndarray | None = None  # [num_rows, γ] where each draft goes in ``batch``

@@ -55,18 +55,27 @@ DEFAULT_TARGET = dict(num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2
                       intermediate_size=960)
 DEFAULT_DRAFT = dict(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
                      intermediate_size=512)
+# The pool's middle model (SpecRouter chains small -> mid -> target): between the two in depth
+# and width, so it agrees with the target better than the draft does at a fraction of its cost.
+DEFAULT_INTERMEDIATE = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=1,
+                            head_dim=64, intermediate_size=640)
+TINY_INTERMEDIATE = dict(num_layers=1, hidden_size=48, num_heads=2, num_kv_heads=1, head_dim=24,
+                         intermediate_size=96)
+ROLES = ("target", "intermediate", "draft")
 CONFIG_NAMES = ("tiny", "default")
 
 
 def config_for(name: str, role: str = "target", vocab_size: int = 4096) -> ModelConfig:
-    """The ``tiny`` (tests) or ``default`` (the shipped pair) config for ``role`` target/draft."""
-    if role not in ("target", "draft"):
-        raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
+    """The ``tiny`` (tests) or ``default`` (the shipped pool) config for ``role`` target /
+    intermediate / draft."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     if name == "tiny":
-        return tiny_config("llama", vocab_size=vocab_size,
-                           **(DRAFT_OVERRIDES if role == "draft" else {}))
+        over = {"target": {}, "intermediate": TINY_INTERMEDIATE, "draft": DRAFT_OVERRIDES}[role]
+        return tiny_config("llama", vocab_size=vocab_size, **over)
     if name == "default":
-        shape = DEFAULT_TARGET if role == "target" else DEFAULT_DRAFT
+        shape = {"target": DEFAULT_TARGET, "intermediate": DEFAULT_INTERMEDIATE,
+                 "draft": DEFAULT_DRAFT}[role]
         return ModelConfig(model_type="llama", vocab_size=vocab_size, rms_norm_eps=1e-6,
                            rope_theta=10000.0, max_position_embeddings=1024,
                            tie_word_embeddings=True, bos_token_id=BOS_ID,

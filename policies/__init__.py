@@ -12,12 +12,14 @@ from policies.dsd import DSDPolicy
 from policies.dsde import DSDEPolicy
 from policies.heuristic import HeuristicPolicy
 from policies.nightjar import NightjarPolicy
+from policies.specrouter import SpecRouterPolicy
 from policies.static import OffPolicy, StaticPolicy
 from policies.ucb import UCBPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (AutoPolicy, StaticPolicy, OffPolicy, NightjarPolicy, DSDEPolicy,
-                              AdaSpecPolicy, DSDPolicy, UCBPolicy, AdaEDLPolicy, HeuristicPolicy)
+                              AdaSpecPolicy, DSDPolicy, UCBPolicy, AdaEDLPolicy, HeuristicPolicy,
+                              SpecRouterPolicy)
 }
 
 

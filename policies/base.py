@@ -48,7 +48,12 @@ class BatchView:
 
 @dataclasses.dataclass
 class DraftPlan:
-    """γ_i per sequence of the view; chain of model names ending before the target.
+    """γ_i per sequence of the view, and the chain of pool models that produce the draft.
+
+    ``chain`` holds indices into the engine's draft pool (``Policy.pool``, smallest model
+    first): ``(i,)`` lets model i draft for the target, ``(i, j)`` (i < j) lets i draft and j
+    verify i's draft before the target does (SpecRouter's multi-level chain), ``()`` runs the
+    target alone (the gammas are then ignored: nothing drafts). One chain serves the whole step.
 
     ``stop_confidence[i]``: stop drafting sequence i once the product of its draft confidences
     q(x_1)..q(x_j) falls below this (0 never stops). ``stop_entropy[i]``: stop once a draft
@@ -57,7 +62,7 @@ class DraftPlan:
     """
 
     gammas: np.ndarray
-    chain: tuple[str, ...] = ("draft",)
+    chain: tuple[int, ...] = (0,)
     stop_confidence: np.ndarray | None = None
     stop_entropy: np.ndarray | None = None
 
@@ -72,7 +77,8 @@ class DraftStats:
     draft_entropy: np.ndarray  # [n, G]
 
 
-STAGES = ("schedule", "plan", "catch_up", "draft", "verify", "accept", "signals", "commit")
+STAGES = ("schedule", "plan", "catch_up", "draft", "intermediate", "verify", "accept", "signals",
+          "commit")
 
 
 @dataclasses.dataclass
@@ -113,6 +119,17 @@ class StepOutcome:
     num_tokens: int = 0  # target tokens in the step's batch (decode + drafts + prefill)
     num_running: int = 0  # sequences running after the step
     num_waiting: int = 0  # queue depth after the step
+    # Multi-level chains (SpecRouter): the pool models that drafted this step (DraftPlan.chain;
+    # () when nothing drafted). With an intermediate level (a chain (i, j)), ``num_drafted`` is
+    # what model i drafted, ``intermediate_accepted`` [n] how many of those j accepted,
+    # ``num_verified`` the length of j's draft (accepted + its correction, at most the window)
+    # that the target verified, ``accept_prob`` is 1 - TV(target, j) and
+    # ``intermediate_accept_prob`` [n, G] 1 - TV(j, i) per drafted position (NaN where none or
+    # unread); ``intermediate_time`` is j's verification pass (seconds).
+    chain: tuple[int, ...] = ()
+    intermediate_time: float = 0.0
+    intermediate_accepted: np.ndarray | None = None
+    intermediate_accept_prob: np.ndarray | None = None
 
     @property
     def num_decode(self) -> int:
@@ -209,6 +226,16 @@ class Policy(abc.ABC):
     # hands it over with ``set_profile`` before the first plan.
     needs_profile: bool = False
     profile: Any = None
+    # ``timed_stages``: the policy learns from the draft / intermediate / verify times of each
+    # step, so the engine waits for each device stage before timing the next (otherwise device
+    # time lands in whichever later stage first waits for it).
+    timed_stages: bool = False
+    # The engine's draft pool, smallest model first (``set_pool``): the names DraftPlan.chain
+    # indexes. One draft unless the engine was given several.
+    pool: tuple[str, ...] = ("draft",)
+    # ``wants_pool``: the policy runs chains over several drafts; with no models given the
+    # engine loads the built-in pool's middle model too (jspec.llm.build_engine).
+    wants_pool: bool = False
 
     def __init__(self, max_gamma: int):
         if not isinstance(max_gamma, int) or max_gamma < 0:
@@ -241,6 +268,15 @@ class Policy(abc.ABC):
 
     def set_profile(self, profile: Any) -> None:
         self.profile = profile
+
+    def set_pool(self, names: tuple[str, ...]) -> None:
+        """The engine's draft pool (model names, smallest first), set before the first plan."""
+        self.pool = tuple(names)
+
+    def possible_chains(self) -> set[tuple[int, ...]]:
+        """Every chain this policy may plan (the engine compiles the intermediate levels only
+        for these). Single-draft policies draft with the pool's first model."""
+        return {(0,)}
 
     @property
     def step_profile(self) -> Any:

@@ -109,6 +109,10 @@ class ServerMetrics:
         self.spec_gamma_by_batch = Counter(
             "jspec_spec_decode_gamma_by_batch", "Sequence-steps by the γ chosen and the "
             "batch-size bucket of the step", ["batch_bucket", "gamma"], registry=r)
+        self.spec_chain = Counter(
+            "jspec_spec_decode_chain_steps", "Decoding steps by the chain of models that "
+            "drafted (SpecRouter; 'target' = no draft) and the batch-size bucket",
+            ["chain", "batch_bucket"], registry=r)
         self.gamma_last_step = Gauge("jspec_spec_decode_gamma_last_step", "Mean γ the policy "
                                      "chose for the decoding sequences of the latest step",
                                      registry=r)
@@ -121,6 +125,8 @@ class ServerMetrics:
         self._by_batch: dict[int, list] = {}
         self._by_gamma_bucket: dict[int, object] = {}
         self._stages: dict[str, object] = {}
+        self._pool: tuple[str, ...] = ()
+        self._chains: dict[tuple, object] = {}
         self._step_error_logged = False
 
     # ------------------------------------------------------------------ the step listener
@@ -137,6 +143,8 @@ class ServerMetrics:
         self._by_gamma_bucket = {b: self.steps_by_gamma_bucket.labels(str(b))
                                  for b in limits.gamma_buckets}
         self._stages = {stage: self.stage_time.labels(stage) for stage in STAGES}
+        self._pool = limits.draft_pool
+        self._chains = {}
         self._engine = engine
         engine.add_step_listener(self._on_step)
 
@@ -175,6 +183,12 @@ class ServerMetrics:
         g = self._max_gamma
         gamma_counts = np.bincount(np.minimum(o.gammas, g), minlength=g + 1).tolist()
         bucket = batch_bucket(o.batch_size)
+        key = (o.chain, bucket)
+        child = self._chains.get(key)
+        if child is None:
+            label = ">".join([self._pool[m] for m in o.chain] + ["target"])
+            child = self._chains[key] = self.spec_chain.labels(label, str(bucket))
+        child.inc()
         by_batch = self._by_batch.get(bucket)
         if by_batch is None:  # a new batch-size bucket: all its γ series appear at once
             by_batch = self._by_batch[bucket] = [

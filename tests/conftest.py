@@ -111,6 +111,23 @@ def mixed_prompts():
     return [rng.integers(3, ENGINE_VOCAB, n).tolist() for n in lengths]
 
 
+@pytest.fixture(scope="session")
+def ten_prompts(mixed_prompts):
+    return mixed_prompts[:10]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(engine_models, ten_prompts):
+    """Target-only greedy outputs of ``ten_prompts`` (20 tokens each, EOS ignored): what every
+    speculative configuration must reproduce token for token."""
+    from jspec.sampling_params import SamplingParams
+
+    target, _, _ = engine_models
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = run_to_completion(make_engine(target, None), ten_prompts, greedy)
+    return [outs[str(i)].token_ids for i in range(len(ten_prompts))]
+
+
 # ----------------------------------------------------------------------------- LLM-level fixtures
 # The offline API, the CLI and the async engine build engines from checkpoint directories: the
 # tiny pair (vocabulary 512) with the ENGINE_KW engine shapes, so all of them share one set of

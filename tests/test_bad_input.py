@@ -98,7 +98,7 @@ def test_unknown_policy(tiny_pair):
     target, draft = tiny_pair
     with pytest.raises(ValueError, match=re.escape(
             "unknown policy 'nope'; known policies: adaedl, adaspec, auto, dsd, dsde, "
-            "heuristic, nightjar, off, static, ucb")):
+            "heuristic, nightjar, off, specrouter, static, ucb")):
         LLM(target=target, draft=draft, policy="nope", **LLM_KW)
 
 

@@ -116,7 +116,7 @@ def test_target_without_draft_is_plain_decoding(capsys, tiny_pair):
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
     (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["--policy", "nope"], "unknown policy 'nope'; known policies: adaedl, adaspec, auto, dsd, "
-                             "dsde, heuristic, nightjar, off, static, ucb"),
+                             "dsde, heuristic, nightjar, off, specrouter, static, ucb"),
     (["--policy-option", "gamma"], "--policy-option expects KEY=VALUE, got 'gamma'"),
     (["--policy-option", "gamma=99"], "gamma must be in [0, max_gamma=7], got 99"),
     (["--prompt", ""], "prompt is empty"),

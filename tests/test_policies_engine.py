@@ -18,7 +18,7 @@ MAX_GAMMA = 7  # conftest.ENGINE_KW: shapes shared with the other engine tests
 # The policies the README documents and `--policy` offers, written out here so that dropping or
 # renaming one in the registry (or registering an undocumented one) fails a test.
 DOCUMENTED = ("auto", "static", "off", "nightjar", "dsde", "adaspec", "dsd", "ucb", "adaedl",
-              "heuristic")
+              "heuristic", "specrouter")
 
 
 def _profile(target, draft) -> StepProfile:
@@ -41,15 +41,13 @@ def _policy(name, target, draft):
 
 
 @pytest.fixture(scope="module")
-def prompts(mixed_prompts):
-    return mixed_prompts[:10]
+def prompts(ten_prompts):
+    return ten_prompts
 
 
 @pytest.fixture(scope="module")
-def reference(engine_models, prompts):
-    target, _, _ = engine_models
-    outs = run_to_completion(make_engine(target, None), prompts, GREEDY)
-    return [outs[str(i)].token_ids for i in range(len(prompts))]
+def reference(greedy_reference):
+    return greedy_reference  # conftest: GREEDY's outputs from the target alone
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

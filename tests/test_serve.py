@@ -315,6 +315,8 @@ def test_metrics_exposition(server, client):
     gammas = {k: v for k, v in m.items() if k.startswith("jspec_spec_decode_gamma_total")}
     assert len(gammas) == gamma_max + 1 and sum(gammas.values()) > 0
     assert any(k.startswith("jspec_spec_decode_gamma_by_batch_total{batch_bucket=") for k in m)
+    chains = {k: v for k, v in m.items() if k.startswith("jspec_spec_decode_chain_steps_total")}
+    assert any('chain="draft>target"' in k for k in chains) and sum(chains.values()) > 0
     assert m['jspec_http_requests_total{code="200",endpoint="/v1/completions"}'] >= 1
     assert m['jspec_request_finished_total{reason="length"}'] >= 1
     assert m["jspec_num_requests_waiting"] == 0 and m["jspec_num_requests_running"] == 0

@@ -187,6 +187,53 @@ def plot_summary(results_list: list[dict], path: str) -> str:
     return path
 
 
+def chain_shares(results: dict) -> dict[str, dict[str, float]]:
+    """Per run of a chain-choosing policy (``specrouter``, or any run that drafted with two
+    chains or more), the share of its decoding steps per chain of models
+    (EngineMetrics.chain_histogram; "target" = the steps that drafted nothing)."""
+    from jspec.bench.serving import policy_rows
+
+    out = {}
+    for run in policy_rows(results):
+        hist = run.get("engine_metrics", {}).get("chain_histogram") or {}
+        total = sum(hist.values())
+        drafting = [c for c in hist if c != "target"]
+        if total and (run.get("policy") == "specrouter" or len(drafting) > 1):
+            out[run["label"]] = {c: n / total for c, n in sorted(hist.items())}
+    return out
+
+
+def plot_chains(results_list: list[dict], path: str) -> str | None:
+    """The chains an adaptive chain policy (SpecRouter) played at each load: one stacked bar per
+    (load, run), the share of its decoding steps per chain. None when no run switched chains."""
+    import numpy as np
+
+    per_load = [(r["arrivals"]["label"], chain_shares(r)) for r in results_list]
+    bars = [(f"{load}\n{label}" if len(shares) > 1 else load, share)
+            for load, shares in per_load for label, share in shares.items()]
+    if not bars:
+        return None
+    plt = require_matplotlib()
+    chains = sorted({c for _, share in bars for c in share}, key=lambda c: (c.count(">"), c))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(bars) + 2), 4.2))
+    x = np.arange(len(bars))
+    bottom = np.zeros(len(bars))
+    for chain in chains:
+        values = np.array([share.get(chain, 0.0) for _, share in bars])
+        ax.bar(x, values, 0.6, bottom=bottom, label=chain)
+        bottom += values
+    ax.set_xticks(x)
+    ax.set_xticklabels([name for name, _ in bars], fontsize=8)
+    ax.set_ylabel("share of decoding steps")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("Chains chosen per load", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_results(results_list: list[dict], out_dir: str, names: list[str] | None = None,
                  bin_seconds: float | None = None) -> list[str]:
     """Every figure for these results into ``out_dir``; returns the paths written."""
@@ -200,6 +247,9 @@ def plot_results(results_list: list[dict], out_dir: str, names: list[str] | None
         paths.append(plot_gamma_batch(results, os.path.join(out_dir, f"{name}_gamma_batch.png"),
                                       bin_seconds))
     paths.append(plot_summary(results_list, os.path.join(out_dir, "summary.png")))
+    chains = plot_chains(results_list, os.path.join(out_dir, "chains.png"))
+    if chains is not None:
+        paths.append(chains)
     return paths
 
 

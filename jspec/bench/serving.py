@@ -58,7 +58,11 @@ DEFAULT_NUM_REQUESTS = 64  # when an open-ended arrival process is given no limi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     models = p.add_argument_group("models and engine")
     models.add_argument("--target", metavar="DIR", help="default: the built-in pair's target")
-    models.add_argument("--draft", metavar="DIR", help="default: the built-in pair's draft")
+    models.add_argument("--draft", metavar="DIR", action="append",
+                        help="draft checkpoint directory sharing the target's vocabulary; "
+                             "repeat it for a pool of drafts (SpecRouter's chains, "
+                             "--policy specrouter); with --target but no --draft, decoding is "
+                             "plain (no speculation)")
     models.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     models.add_argument("--num-speculative-tokens", type=int, default=4, metavar="N",
                         help="Γmax of every engine (default: %(default)s)")
