@@ -111,7 +111,6 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     requests aborted and their KV blocks freed."""
     import jax
 
-    from jspec.metrics import EngineMetrics
     from jspec.sampling_params import SamplingParams
 
     if engine.draft is None:
@@ -154,7 +153,7 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     # cost lands in target_time's γ > 0 entries and a verifier (AdaSpec's select) would think
     # that dropping a drafted token saves the draft forward that produced it
     engine.policy, engine.stream_outputs, engine.time_stages = forced, False, True
-    engine.metrics = EngineMetrics(max_gamma=max_gamma)  # the profiling steps are not served
+    engine.reset_metrics()  # the profiling steps are not served
     target_time = np.zeros((len(batch_sizes), len(gammas), 1))
     draft_time = np.zeros((len(batch_sizes), 1))
     catch_up = np.zeros((len(CATCH_UP_LENS), len(batch_sizes)))

@@ -168,8 +168,7 @@ class LLMEngine:
                                  signals=self.policy.signals if draft is not None else (),
                                  draft_stats=self.policy.wants_draft_stats, chains=self.chains)
         self.target = target
-        self.metrics = EngineMetrics(max_gamma=self.max_gamma)
-        self.metrics.set_pool(self.policy.pool)
+        self.reset_metrics()
         self.eos_token_ids = set(target.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -191,6 +190,11 @@ class LLMEngine:
             from jspec.autoprofile import engine_profile
 
             self.policy.set_profile(engine_profile(self))
+
+    def reset_metrics(self) -> EngineMetrics:
+        """Start the counters afresh (after a warm-up that should not count); returns them."""
+        self.metrics = EngineMetrics(max_gamma=self.max_gamma, pool_names=self.pool_names)
+        return self.metrics
 
     # ------------------------------------------------------------------ policy state
     def save_policy_state(self, path: str) -> None:

@@ -12,6 +12,8 @@ from policies.base import StepOutcome, batch_bucket
 @dataclasses.dataclass
 class EngineMetrics:
     max_gamma: int
+    # the draft pool's model names (smallest first): chain labels, e.g. "draft>mid>target"
+    pool_names: tuple[str, ...] = ("draft",)
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_generated_tokens: int = 0
@@ -49,13 +51,10 @@ class EngineMetrics:
         self.gamma_histogram_by_batch: dict[int, np.ndarray] = {}
         self.stage_time: dict[str, float] = {}  # seconds per step stage (policies.base.STAGES)
         # decoding steps per chain of models (SpecRouter), overall and per batch-size bucket;
-        # labels name the pool's models (set_pool), e.g. "draft>mid>target", "target"
-        self.pool_names: tuple[str, ...] = ("draft",)
+        # labels name the pool's models, e.g. "draft>mid>target", "target"
+        self.pool_names = tuple(self.pool_names)
         self.chain_histogram: dict[str, int] = {}
         self.chain_histogram_by_batch: dict[int, dict[str, int]] = {}
-
-    def set_pool(self, names) -> None:
-        self.pool_names = tuple(names)
 
     def chain_label(self, chain) -> str:
         return ">".join([self.pool_names[m] for m in chain] + ["target"])
@@ -109,6 +108,7 @@ class EngineMetrics:
 
     def as_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["pool_names"] = list(self.pool_names)
         out["accepted_per_position"] = self.accepted_per_position.tolist()
         out["gamma_histogram"] = self.gamma_histogram.tolist()
         out["gamma_histogram_by_batch"] = {str(b): h.tolist() for b, h in

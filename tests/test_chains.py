@@ -61,6 +61,8 @@ def test_pool_is_sorted_and_checked(engine_models, pool):
     assert [m.name for m in engine.runner.pool] == ["small-draft", "draft"]
     assert engine.chains == frozenset({(0, 1)})
     assert engine.limits.draft_pool == ("small-draft", "draft")
+    # counters started afresh (after a benchmark's warm-up) still name the chains
+    assert engine.reset_metrics().chain_label((0, 1)) == "small-draft>draft>target"
     other = LoadedModel(dataclasses.replace(pool[1].cfg, vocab_size=ENGINE_VOCAB * 2),
                         pool[1].params, "x")
     with pytest.raises(ValueError, match=r"draft 'x' vocabulary \(512 tokens\)"):

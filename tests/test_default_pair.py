@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from jspec.default_models import SHIPPED_DIR, default_pair, shipped_pair
+from jspec.default_models import (SHIPPED_DIR, default_pair, default_pool, shipped_intermediate,
+                                   shipped_pair)
 
 
 def test_the_pair_ships_and_is_the_default():
@@ -33,6 +34,26 @@ def test_sizes_dtype_and_cost_ratio():
         with safe_open(f, "np") as st:
             assert {st.get_slice(k).get_dtype() for k in st.keys()} == {"BF16"}
     assert total <= 25_000_000
+
+
+def test_the_pool_ships_a_middle_model_within_the_size_budget():
+    """SpecRouter's built-in pool: draft < mid < target in size and cost, one vocabulary, and
+    everything shipped (weights, tokenizers, cards) within 40 MB."""
+    from models.config import ModelConfig
+    from models.train import forward_flops_per_token
+
+    mid_dir = shipped_intermediate()
+    assert mid_dir is not None, f"no middle model under {SHIPPED_DIR}"
+    target_dir, pool = default_pool()
+    assert pool == {"draft": shipped_pair()[1], "mid": mid_dir}
+    cfgs = [ModelConfig.from_json_file(os.path.join(d, "config.json"))
+            for d in (pool["draft"], mid_dir, target_dir)]
+    sizes = [c.num_params() for c in cfgs]
+    flops = [forward_flops_per_token(c) for c in cfgs]
+    assert sizes == sorted(sizes) and flops == sorted(flops) and len(set(sizes)) == 3
+    assert len({c.vocab_size for c in cfgs}) == 1
+    shipped = sum(f.stat().st_size for f in SHIPPED_DIR.rglob("*") if f.is_file())
+    assert shipped <= 40_000_000, shipped
 
 
 def test_tokenizer_is_shared_and_round_trips():
@@ -63,4 +84,46 @@ def test_draft_agrees_with_target_on_held_out_code():
                              params_for_module(t_cfg, t_params), windows, batch_size=4,
                              dtype=jnp.float32)
     assert agree >= 0.55, agree
+    # the middle model was distilled from this target too (the model card: it agrees about as
+    # well as the draft, not better, after its short training run)
+    m_cfg, m_params = load_checkpoint(shipped_intermediate(), dtype=jnp.float32)
+    mid_agree = greedy_agreement(m_cfg, params_for_module(m_cfg, m_params), t_cfg,
+                                 params_for_module(t_cfg, t_params), windows, batch_size=4,
+                                 dtype=jnp.float32)
+    assert mid_agree >= 0.55, mid_agree
     assert heldout_function_prompts(3)  # the prompts `jspec bench pair` measures on exist
+
+
+def test_every_chain_of_the_built_in_pool_is_lossless():
+    """LLM(policy="specrouter") with no models runs the built-in pool; every chain of it
+    (random per step, with random γ) gives the target's greedy tokens exactly (fp32)."""
+    import numpy as np
+
+    from jspec.llm import build_engine
+    from jspec.sampling_params import SamplingParams
+    from test_chains import RandomChainPolicy
+
+    kw = dict(dtype="float32", max_num_seqs=2, max_model_len=256, warmup=False,
+              num_speculative_tokens=4)
+    engine = build_engine(policy="specrouter", **kw)
+    assert engine.limits.draft_pool == ("draft", "mid")
+    target_dir, pool = default_pool()
+    chains = build_engine(target_dir, list(pool.values()), policy_obj=RandomChainPolicy(4, 1),
+                          **kw)
+    plain = build_engine(target_dir, None, **kw)
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "import os\n\ndef list_files(path):"]
+    for i, p in enumerate(prompts):
+        chains.add_request(str(i), p, sp)
+        plain.add_request(str(i), p, sp)
+    out = {}
+    for eng, name in ((chains, "chains"), (plain, "plain")):
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    out[(name, o.request_id)] = o.token_ids
+    for i in range(len(prompts)):
+        assert out[("chains", str(i))] == out[("plain", str(i))]
+    assert len(chains.metrics.chain_histogram) == 4
+    assert chains.block_manager.num_used_blocks == 0
+    assert np.isfinite(chains.metrics.intermediate_time)

@@ -367,7 +367,6 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
     """Run one policy over the requests on a fresh engine (or ``engine``, already built and
     warmed up for this policy); returns the run's results."""
     from jspec.async_engine import AsyncLLMEngine
-    from jspec.metrics import EngineMetrics
     from jspec.sampling_params import SamplingParams
 
     compile_s = 0.0
@@ -396,7 +395,7 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
                     for i, r in enumerate(warm)]
             with StepRecorder(engine) as warm_recorder:
                 asyncio.run(drive(aengine, warm, sampling, warm_recorder, progress=False))
-            engine.metrics = EngineMetrics(max_gamma=engine.max_gamma)
+            engine.reset_metrics()
             warmup_s = time.perf_counter() - start
             start = time.perf_counter()
         with StepRecorder(engine) as recorder:
