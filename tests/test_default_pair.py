@@ -108,8 +108,14 @@ def test_every_chain_of_the_built_in_pool_is_lossless():
     engine = build_engine(policy="specrouter", **kw)
     assert engine.limits.draft_pool == ("draft", "mid")
     target_dir, pool = default_pool()
-    chains = build_engine(target_dir, list(pool.values()), policy_obj=RandomChainPolicy(4, 1),
-                          **kw)
+    class CyclingChains(RandomChainPolicy):  # every chain in turn, random γ
+        def plan(self, view):
+            plan = super().plan(view)
+            self.turn = getattr(self, "turn", -1) + 1
+            plan.chain = sorted(self.possible_chains())[self.turn % 4]
+            return plan
+
+    chains = build_engine(target_dir, list(pool.values()), policy_obj=CyclingChains(4, 1), **kw)
     plain = build_engine(target_dir, None, **kw)
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["def fibonacci(n):", "import os\n\ndef list_files(path):"]
