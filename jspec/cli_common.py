@@ -147,8 +147,11 @@ def describe_models(args: argparse.Namespace) -> None:
     """One stderr note on which models run when that is not obvious from the flags."""
     if args.target is None:
         from jspec.default_models import describe_default_pair
+        from policies import POLICIES
 
-        print(f"using {describe_default_pair()}", file=sys.stderr)
+        pool = getattr(POLICIES.get(args.policy), "wants_pool", False)
+        extra = " and the pool's middle model (models/default_pair/mid)" if pool else ""
+        print(f"using {describe_default_pair()}{extra}", file=sys.stderr)
     elif args.draft is None:
         print("no --draft: plain autoregressive decoding", file=sys.stderr)
 
