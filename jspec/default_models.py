@@ -42,7 +42,7 @@ def shipped_intermediate() -> str | None:
 
 def tiny_random_intermediate() -> str:
     """A tiny random middle model for the fallback pool (built on first use, cached)."""
-    from models.tiny import build_tiny_tokenizer, write_tiny_checkpoint
+    from models.tiny import write_tiny_checkpoint
     from models.train import TINY_INTERMEDIATE
 
     path = cache_dir() / "tiny-random-pair-v1" / "mid"

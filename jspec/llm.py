@@ -28,10 +28,8 @@ def load_model(path: str | os.PathLike, dtype: str, name: str):
 
 
 def _pool_names(paths: list) -> list[str]:
-    """Names of a pool's models: one draft is "draft"; several are named by their directory
-    (what a chain, a policy option and the metrics call them)."""
-    if len(paths) == 1:
-        return ["draft"]
+    """Names of a pool's models by their directories (what a chain, a policy option and the
+    metrics call them; the engine names a lone draft "draft")."""
     return [os.path.basename(os.path.normpath(os.fspath(p))) or "draft" for p in paths]
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from policies.base import StepOutcome, batch_bucket
+from policies.base import StepOutcome, batch_bucket, chain_label
 
 
 @dataclasses.dataclass
@@ -57,7 +57,7 @@ class EngineMetrics:
         self.chain_histogram_by_batch: dict[int, dict[str, int]] = {}
 
     def chain_label(self, chain) -> str:
-        return ">".join([self.pool_names[m] for m in chain] + ["target"])
+        return chain_label(self.pool_names, chain)
 
     def observe(self, outcome: StepOutcome) -> None:
         """Fold in one step's record (every step that ran, prefill-only steps included)."""

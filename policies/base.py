@@ -25,6 +25,12 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << max(0, int(batch_size) - 1).bit_length()
 
 
+def chain_label(pool_names, chain) -> str:
+    """A chain of pool models as the metrics name it: "draft>mid>target"; "target" for the
+    target alone (a step that drafted nothing)."""
+    return ">".join([pool_names[m] for m in chain] + ["target"])
+
+
 @dataclasses.dataclass
 class BatchView:
     """What a policy sees before a step. Arrays are per speculating-eligible sequence, in the

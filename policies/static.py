@@ -24,11 +24,9 @@ class StaticPolicy(Policy):
                              f"got {chain!r}")
         self.chain_names = None if chain is None else tuple(
             n.strip() for n in chain.split(">"))
-        self.chain = (0,)
+        self.chain = (0,)  # resolved against the engine's pool in set_pool
         # a chain naming more than the first draft needs the built-in pool's middle model
         self.wants_pool = self.chain_names not in (None, ("draft",))
-        if self.chain_names is not None:
-            self.set_pool(self.pool)
 
     def set_pool(self, names: tuple[str, ...]) -> None:
         super().set_pool(names)
@@ -36,8 +34,6 @@ class StaticPolicy(Policy):
             return
         missing = [n for n in self.chain_names if n not in self.pool]
         if missing:
-            if self.pool == ("draft",) and self.chain_names != ("draft",):
-                return  # not yet given the engine's pool: checked again when it is
             raise ValueError(f"static option chain names {missing[0]!r}, which is not in the "
                              f"draft pool {list(self.pool)}")
         self.chain = tuple(self.pool.index(n) for n in self.chain_names)

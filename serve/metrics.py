@@ -30,7 +30,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from policies.base import STAGES, StepOutcome, batch_bucket
+from policies.base import STAGES, StepOutcome, batch_bucket, chain_label
 
 logger = logging.getLogger("jspec.serve")
 
@@ -186,7 +186,7 @@ class ServerMetrics:
         key = (o.chain, bucket)
         child = self._chains.get(key)
         if child is None:
-            label = ">".join([self._pool[m] for m in o.chain] + ["target"])
+            label = chain_label(self._pool, o.chain)
             child = self._chains[key] = self.spec_chain.labels(label, str(bucket))
         child.inc()
         by_batch = self._by_batch.get(bucket)
