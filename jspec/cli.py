@@ -49,10 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jspec.platform import configure_cpu_bf16
+    from jspec.platform import configure_cpu_bf16, configure_cpu_devices
 
     configure_cpu_bf16()  # before anything starts JAX's backend
     args = build_parser().parse_args(argv)
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp and tp > 1:
+        configure_cpu_devices(tp)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except ValueError as e:  # user mistakes surface as one line, not a traceback

@@ -14,7 +14,8 @@ from typing import Any, Callable
 # default (or the value a command derives itself, like generate's max_num_seqs).
 ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                         "min_token_bucket", "kernel_backend", "elastic_memory",
-                        "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout")
+                        "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout",
+                        "tensor_parallel_size")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +71,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
                         default=None,
                         help="attention / KV-migration kernels: auto = Pallas on a GPU where they "
                              "compile, else the jnp reference (default: auto)")
+    add_tensor_parallel_argument(engine)
     add_elastic_arguments(engine)
     engine.add_argument("--no-warmup", action="store_true",
                         help="skip compiling every shape bucket up front (first steps then "
@@ -77,6 +79,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
     engine.add_argument("--no-progress", action="store_true",
                         help="no progress bars on stderr")
     return engine
+
+
+def add_tensor_parallel_argument(group) -> None:
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                       help="split the target over N devices (Megatron tensor parallelism over "
+                            "a JAX mesh, models/sharding.py; on a machine without accelerators "
+                            "the CPU is split into N devices) (default: 1)")
 
 
 def add_elastic_arguments(group) -> None:

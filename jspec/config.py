@@ -47,6 +47,9 @@ class EngineConfig:
     # the start; "auto" = segments on accelerators, preallocated on CPU (no separate device
     # memory to hand over there, and one array reads faster)
     elastic_pool_layout: str = "auto"
+    # devices the target is split over (models/sharding.py: Megatron tensor parallelism over a
+    # 1-D mesh of the first N of jax.devices(); the drafts are replicated). vLLM's name.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         def positive(name):
@@ -66,6 +69,12 @@ class EngineConfig:
         if self.kernel_backend not in ("auto", "pallas", "interpret", "reference"):
             raise ValueError(f"kernel_backend must be 'auto', 'pallas', 'interpret' or "
                              f"'reference', got {self.kernel_backend!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and self.elastic_memory:
+            raise ValueError("elastic_memory does not support tensor_parallel_size > 1 yet: "
+                             "its pool migration runs on one device")
         if not isinstance(self.elastic_memory, bool):
             raise ValueError(f"elastic_memory must be True or False, got {self.elastic_memory!r}")
         w = self.elastic_low_watermark

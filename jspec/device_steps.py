@@ -132,8 +132,10 @@ def verify_forward(
     *,
     cfg: ModelConfig,
     attention_fn,
+    mesh=None,
 ) -> tuple[jax.Array, KVCache]:
-    """One target pass over the ragged batch; returns logits [S*(G+1), V].
+    """One target pass over the ragged batch; returns logits [S*(G+1), V]. ``mesh``: the
+    tensor-parallel mesh the params and pool are sharded over (models.transformer.forward).
 
     The host built ``batch`` before the draft ran, with placeholders where drafted tokens go;
     ``draft_slots [S, G]`` says which flat token each drafted token fills (out-of-range = not
@@ -144,24 +146,25 @@ def verify_forward(
     input_ids = batch.input_ids.at[draft_slots.reshape(-1)].set(
         draft_tokens.reshape(-1), mode="drop")
     batch = ModelInput(input_ids, batch.attn, batch.logits_indices)
-    return forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
+    return forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh)
 
 
 def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: SamplingTensors,
                       draft_tokens: jax.Array | None = None,
                       draft_slots: jax.Array | None = None,
                       draft_logits: jax.Array | None = None,
-                      num_drafted: jax.Array | None = None, *, cfg: ModelConfig, attention_fn):
+                      num_drafted: jax.Array | None = None, *, cfg: ModelConfig, attention_fn,
+                      mesh=None):
     """A decode-only step's verification in one call: the target forward, then rejection
     sampling of the drafts or, without drafts (γ = 0: no draft arguments at all), plain
     sampling. Returns (VerifyResult, logits, kv); the logits stay on device for the policy's
     signals. Steps that carry prefill run the forward and the sampling as two executables
     instead (compiled per token bucket, the sampling graph would multiply the compile time)."""
     if draft_tokens is None:
-        logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
+        logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh)
         return sample_tokens(logits, st), logits, kv
     logits, kv = verify_forward(params, kv, batch, draft_tokens, draft_slots, cfg=cfg,
-                                attention_fn=attention_fn)
+                                attention_fn=attention_fn, mesh=mesh)
     return rejection_sample(logits, draft_logits, draft_tokens, num_drafted, st), logits, kv
 
 

@@ -31,6 +31,7 @@ from jspec.sampling_params import SamplingParams
 from jspec.scheduler import Scheduler, SchedulerConfig
 from jspec.sequence import Sequence, SequenceStatus
 from jspec.step_state import StageClock, StepState
+from models.sharding import check_shardable
 from models.transformer import KVCache
 from policies import BatchView, DraftStats, Policy, StepOutcome, make_policy
 from policies.profile import StepProfile, model_signature
@@ -126,6 +127,11 @@ class LLMEngine:
         # the KV cache takes the models' dtype unless one is forced
         kv_dtype = (np.dtype(jax.tree_util.tree_leaves(target.params)[0].dtype)
                     if config.dtype == "auto" else np.dtype(jax.numpy.dtype(config.dtype)))
+        # tensor parallel: each device holds 1/N of the target's KV heads (models/sharding.py),
+        # so block bytes, the memory budget and the free memory are all per device
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            check_shardable(target.cfg, tp)
         target_block_bytes = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
         # every pool model keeps its own KV pool over the same block ids
         draft_block_bytes = sum(KVCache.bytes_per_block(m.cfg, config.block_size, kv_dtype)
@@ -133,7 +139,7 @@ class LLMEngine:
         # on an accelerator the pool is sized from the memory left once the weights are loaded
         free = device_free_bytes() if config.num_kv_blocks is None else None
         self.rc = resolve(config, target.cfg.max_position_embeddings,
-                          target_block_bytes + draft_block_bytes, free)
+                          target_block_bytes // tp + draft_block_bytes, free)
         self.elastic: ElasticMemory | None = None
         self._reload_started = 0.0
         if config.elastic_memory:

@@ -11,8 +11,9 @@ from jspec.outputs import RequestOutput
 from jspec.sampling_params import SamplingParams
 
 
-def load_model(path: str | os.PathLike, dtype: str, name: str):
-    """A HF checkpoint directory -> LoadedModel (params on the default device). ``dtype`` is
+def load_model(path: str | os.PathLike, dtype: str, name: str, on_host: bool = False):
+    """A HF checkpoint directory -> LoadedModel (params on the default device, or in host
+    memory with ``on_host``: the tensor-parallel runner shards them from there). ``dtype`` is
     'bfloat16' or 'float32' (``jspec.config.resolve_dtype``); a bfloat16 that is slow on this CPU
     backend warns (``jspec.platform.warn_if_slow_cpu_bf16``)."""
     import jax.numpy as jnp
@@ -23,7 +24,7 @@ def load_model(path: str | os.PathLike, dtype: str, name: str):
 
     warn_if_slow_cpu_bf16(dtype, stacklevel=2)
     cfg, params = load_checkpoint(path, dtype=jnp.bfloat16 if dtype == "bfloat16"
-                                  else jnp.float32)
+                                  else jnp.float32, on_host=on_host)
     return LoadedModel(cfg=cfg, params=params, name=name)
 
 
@@ -81,8 +82,8 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
     # models already in memory (random-weight benchmark models) come as LoadedModels
     if isinstance(target, LoadedModel) and tokenizer is None:
         raise ValueError("a target given as a loaded model needs a tokenizer directory")
-    target_model = target if isinstance(target, LoadedModel) else load_model(target, dtype,
-                                                                             "target")
+    target_model = target if isinstance(target, LoadedModel) else load_model(
+        target, dtype, "target", on_host=config.tensor_parallel_size > 1)
     if isinstance(draft, list):
         draft_model = [d if isinstance(d, LoadedModel) else load_model(d, dtype, name)
                        for d, name in zip(draft, names)]

@@ -101,6 +101,23 @@ def configure_cpu_bf16() -> bool:
     return True
 
 
+CPU_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def configure_cpu_devices(count: int) -> bool:
+    """Split XLA's CPU backend into ``count`` devices (tensor parallelism on a machine without
+    accelerators: ``jspec ... --tensor-parallel-size N`` calls it), if JAX has not started its
+    backend and no accelerator plugin is installed (there the mesh is made of the accelerators).
+    A device count already in XLA_FLAGS is left alone. Returns whether the flag is set."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CPU_DEVICES_FLAG in flags:
+        return True
+    if jax_backend_started() or accelerator_plugin_installed():
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICES_FLAG}={int(count)}".strip()
+    return True
+
+
 def cpu_bf16_flag_set() -> bool:
     return CPU_BF16_FLAG in os.environ.get("XLA_FLAGS", "")
 

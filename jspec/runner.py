@@ -20,10 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding
+
 from jspec import device_steps
 from jspec.config import ResolvedConfig, resolve_elastic_pool_layout
 from jspec.sampler import (SamplingTensors, VerifyResult, rejection_sample, sample_tokens,
                            verify_signals)
+from models import sharding
 from models.config import ModelConfig
 from models.transformer import KVCache, ModelInput, forward
 from pallas_kernels import backend as kernel_backend
@@ -97,7 +100,13 @@ def _to_host(a: jax.Array):
 
 
 def _spec(tree):
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    """Abstract values of ``tree`` (params, a KV pool), keeping their placement on a mesh."""
+    def one(a):
+        placed = getattr(a, "sharding", None)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed if isinstance(
+            placed, NamedSharding) else None)
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 @dataclasses.dataclass
@@ -122,6 +131,17 @@ class ModelRunner:
         else:
             self.pool = list(draft)
         self.rc = rc
+        # Tensor parallelism (models/sharding.py): the target's params and KV pool are split
+        # over the mesh, everything else (the drafts, their pools, inputs, sampling) is
+        # replicated. The drafts stay whole because they are small and latency-bound: split,
+        # each of their forwards would add two all-reduces per layer per drafted token for
+        # almost no memory saved.
+        self.mesh = sharding.make_mesh(rc.engine.tensor_parallel_size)
+        if self.mesh is not None:
+            self.target = target = dataclasses.replace(
+                target, params=sharding.shard_params(target.params, target.cfg, self.mesh))
+            self.pool = [dataclasses.replace(m, params=sharding.replicate(m.params, self.mesh))
+                         for m in self.pool]
         self.gamma_buckets = gamma_buckets
         self.kv_dtype = kv_dtype
         # what the policy reads (policies.base.Policy.signals / wants_draft_stats): compiled in
@@ -142,11 +162,9 @@ class ModelRunner:
         # blocks of the target's pool as one array: the base, plus the extension if preallocated
         self._one_array_blocks = rc.num_kv_blocks + (
             rc.num_extension_blocks if self.extension_layout == "preallocated" else 0)
-        self.target_kv = KVCache.create(target.cfg, self._one_array_blocks, rc.engine.block_size,
-                                        kv_dtype)
+        self.target_kv = self._new_kv(target.cfg, self._one_array_blocks, sharding.KV_SPEC)
         self.pool_kv: list[KVCache | None] = [
-            KVCache.create(m.cfg, rc.num_kv_blocks, rc.engine.block_size, kv_dtype)
-            for m in self.pool]
+            self._new_kv(m.cfg, rc.num_kv_blocks, sharding.REPLICATED) for m in self.pool]
         self.draft_resident = bool(self.pool)
         self._draft_host = None  # the draft's params in host memory, once offloaded
         self._draft_shardings = None
@@ -155,6 +173,37 @@ class ModelRunner:
         self.migrate_bucket = min(256, 1 << (max(16, rc.num_extension_blocks) - 1).bit_length())
         self.num_compiled = 0  # executables this runner had to build (not found in the cache)
         self.compile_seconds = 0.0
+
+    def _new_kv(self, cfg: ModelConfig, num_blocks: int, spec) -> KVCache:
+        """An empty KV pool; on a mesh, created in place by ``spec`` (each device allocates its
+        own share, nothing passes through one device)."""
+        if self.mesh is None:
+            return KVCache.create(cfg, num_blocks, self.rc.engine.block_size, self.kv_dtype)
+        shape = (cfg.num_layers, num_blocks, self.rc.engine.block_size, cfg.num_kv_heads,
+                 cfg.head_dim)
+        where = NamedSharding(self.mesh, spec)
+        return KVCache(jnp.zeros(shape, self.kv_dtype, device=where),
+                       jnp.zeros(shape, self.kv_dtype, device=where))
+
+    def _sds(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+        """An input's abstract value: replicated over the mesh when there is one."""
+        placed = None if self.mesh is None else NamedSharding(self.mesh, sharding.REPLICATED)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+
+    def _compile(self, fn, specs, donate_kv: bool = False):
+        """``fn`` compiled for ``specs`` (the KV pool, argument 1, donated if ``donate_kv``).
+        On a mesh every output is placed explicitly: a KV pool as its input was, everything
+        else replicated, so each executable's outputs are what the next one was compiled for."""
+        donate = (1,) if donate_kv else ()
+        if self.mesh is None:
+            return compile_lowered(jax.jit(fn, donate_argnums=donate).lower(*specs))
+        replicated = NamedSharding(self.mesh, sharding.REPLICATED)
+        is_kv = lambda x: isinstance(x, KVCache)  # noqa: E731
+        out = jax.tree_util.tree_map(
+            lambda x: specs[1].k.sharding if is_kv(x) else replicated,
+            jax.eval_shape(fn, *specs), is_leaf=is_kv)
+        return compile_lowered(jax.jit(fn, donate_argnums=donate, out_shardings=out)
+                               .lower(*specs))
 
     # The pool's first model is "the draft" of single-draft policies and of elastic memory.
     @property
@@ -202,7 +251,8 @@ class ModelRunner:
                                              self.extension_layout,
                                              self.rc.engine.block_size, self.rc.max_pages,
                                              self.kernel_backend)
-        full_key = (key, model_key, geometry)
+        mesh = () if self.mesh is None else tuple(d.id for d in self.mesh.devices.flat)
+        full_key = (key, model_key, geometry, mesh)
         # One compilation at a time, process-wide: building executables on several threads at
         # once crashed inside JAX's persistent-cache write (jax 0.10.2), and measured barely
         # faster on two cores (XLA's compile is itself multi-threaded).
@@ -224,25 +274,24 @@ class ModelRunner:
     def _input_spec(self, num_tokens: int, num_seqs: int, num_logits: int) -> ModelInput:
         i32 = jnp.int32
         return ModelInput(
-            input_ids=jax.ShapeDtypeStruct((num_tokens,), i32),
+            input_ids=self._sds((num_tokens,), i32),
             attn=AttentionMetadata(
-                positions=jax.ShapeDtypeStruct((num_tokens,), i32),
-                cu_q_lens=jax.ShapeDtypeStruct((num_seqs + 1,), i32),
-                kv_lens=jax.ShapeDtypeStruct((num_seqs,), i32),
-                page_table=jax.ShapeDtypeStruct((num_seqs, self.rc.max_pages), i32),
+                positions=self._sds((num_tokens,), i32),
+                cu_q_lens=self._sds((num_seqs + 1,), i32),
+                kv_lens=self._sds((num_seqs,), i32),
+                page_table=self._sds((num_seqs, self.rc.max_pages), i32),
             ),
-            logits_indices=jax.ShapeDtypeStruct((num_logits,), i32),
+            logits_indices=self._sds((num_logits,), i32),
         )
 
-    @staticmethod
-    def _sampling_spec(num_seqs: int) -> SamplingTensors:
+    def _sampling_spec(self, num_seqs: int) -> SamplingTensors:
         s = (num_seqs,)
         return SamplingTensors(
-            temperature=jax.ShapeDtypeStruct(s, jnp.float32),
-            top_k=jax.ShapeDtypeStruct(s, jnp.int32),
-            top_p=jax.ShapeDtypeStruct(s, jnp.float32),
-            seeds=jax.ShapeDtypeStruct(s, jnp.uint32),
-            counters=jax.ShapeDtypeStruct(s, jnp.int32),
+            temperature=self._sds(s, jnp.float32),
+            top_k=self._sds(s, jnp.int32),
+            top_p=self._sds(s, jnp.float32),
+            seeds=self._sds(s, jnp.uint32),
+            counters=self._sds(s, jnp.int32),
         )
 
     @property
@@ -254,10 +303,11 @@ class ModelRunner:
     def _target_kv_spec(self, segmented: bool) -> KVCache:
         """Shapes of the target's pool: one array, or base + extension segments."""
         cfg, bs, rc = self.target.cfg, self.rc.engine.block_size, self.rc
+        placed = None if self.mesh is None else NamedSharding(self.mesh, sharding.KV_SPEC)
 
         def seg(n):
             return jax.ShapeDtypeStruct((cfg.num_layers, n, bs, cfg.num_kv_heads, cfg.head_dim),
-                                        self.kv_dtype)
+                                        self.kv_dtype, sharding=placed)
 
         if segmented:
             segs = (seg(rc.num_kv_blocks), seg(rc.num_extension_blocks))
@@ -275,12 +325,12 @@ class ModelRunner:
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1))]
             if gamma:
                 fn = functools.partial(device_steps.verify_forward, cfg=self.target.cfg,
-                                       attention_fn=self._attn)
-                specs += [jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32)] * 2
+                                       attention_fn=self._attn, mesh=self.mesh)
+                specs += [self._sds((num_seqs, gamma), jnp.int32)] * 2
             else:
                 fn = functools.partial(forward, cfg=self.target.cfg,
-                                       attention_fn=self._attn)
-            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
+                                       attention_fn=self._attn, mesh=self.mesh)
+            return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("verify", num_tokens, num_seqs, gamma, segmented), self.target,
                                 build)
@@ -292,16 +342,16 @@ class ModelRunner:
         def build():
             vocab = self.target.cfg.vocab_size
             fn = functools.partial(device_steps.verify_and_accept, cfg=self.target.cfg,
-                                   attention_fn=self._attn)
+                                   attention_fn=self._attn, mesh=self.mesh)
             specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs)]
             if gamma:
-                specs += [jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
-                          jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
-                          jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
-                          jax.ShapeDtypeStruct((num_seqs,), jnp.int32)]
-            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
+                specs += [self._sds((num_seqs, gamma), jnp.int32),
+                          self._sds((num_seqs, gamma), jnp.int32),
+                          self._sds((num_seqs, gamma, vocab), jnp.float32),
+                          self._sds((num_seqs,), jnp.int32)]
+            return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("verify_accept", num_seqs, gamma, segmented), self.target,
                                 build)
@@ -310,18 +360,17 @@ class ModelRunner:
         """Rejection sampling (γ > 0) or plain sampling (γ = 0) of the verify logits."""
         def build():
             vocab = self.target.cfg.vocab_size
-            logits = jax.ShapeDtypeStruct((num_seqs * (gamma + 1), vocab), jnp.float32)
+            logits = self._sds((num_seqs * (gamma + 1), vocab), jnp.float32)
             if not gamma:
-                return compile_lowered(jax.jit(sample_tokens).lower(
-                    logits, self._sampling_spec(num_seqs)))
+                return self._compile(sample_tokens, (logits, self._sampling_spec(num_seqs)))
             specs = (
                 logits,
-                jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
-                jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32),
-                jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+                self._sds((num_seqs, gamma, vocab), jnp.float32),
+                self._sds((num_seqs, gamma), jnp.int32),
+                self._sds((num_seqs,), jnp.int32),
                 self._sampling_spec(num_seqs),
             )
-            return compile_lowered(jax.jit(rejection_sample).lower(*specs))
+            return self._compile(rejection_sample, specs)
 
         return self._executable(("accept", num_seqs, gamma, self.target.cfg.vocab_size), None,
                                 build)
@@ -331,10 +380,10 @@ class ModelRunner:
         def build():
             vocab = self.target.cfg.vocab_size
             fn = functools.partial(verify_signals, which=self.signals)
-            specs = (jax.ShapeDtypeStruct((num_seqs * (gamma + 1), vocab), jnp.float32),
-                     jax.ShapeDtypeStruct((num_seqs, gamma, vocab), jnp.float32),
-                     jax.ShapeDtypeStruct((num_seqs, gamma), jnp.int32))
-            return compile_lowered(jax.jit(fn).lower(*specs))
+            specs = (self._sds((num_seqs * (gamma + 1), vocab), jnp.float32),
+                     self._sds((num_seqs, gamma, vocab), jnp.float32),
+                     self._sds((num_seqs, gamma), jnp.int32))
+            return self._compile(fn, specs)
 
         return self._executable(("signals", num_seqs, gamma, self.target.cfg.vocab_size,
                                  self.signals), None, build)
@@ -352,14 +401,14 @@ class ModelRunner:
             specs = (
                 _spec(m.params), _spec(self.pool_kv[model]),
                 self._input_spec(2 * num_seqs, num_seqs, num_seqs),
-                jax.ShapeDtypeStruct(s, i32),
-                jax.ShapeDtypeStruct((num_seqs, self.rc.max_pages), i32),
-                jax.ShapeDtypeStruct(s, i32),
-                jax.ShapeDtypeStruct(s, f32),
-                jax.ShapeDtypeStruct(s, f32),
+                self._sds(s, i32),
+                self._sds((num_seqs, self.rc.max_pages), i32),
+                self._sds(s, i32),
+                self._sds(s, f32),
+                self._sds(s, f32),
                 self._sampling_spec(num_seqs),
             )
-            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
+            return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("draft", num_seqs, gamma, self.draft_stats, model), m, build)
 
@@ -375,16 +424,16 @@ class ModelRunner:
                                    attention_fn=self._attn, with_signal=with_signal)
             i32, f32 = jnp.int32, jnp.float32
             draft = device_steps.DraftResult(
-                tokens=jax.ShapeDtypeStruct((num_seqs, gamma), i32),
-                logits=jax.ShapeDtypeStruct((num_seqs, gamma, vocab), f32),
-                num_drafted=jax.ShapeDtypeStruct((num_seqs,), i32),
-                confidence=jax.ShapeDtypeStruct((num_seqs, gamma), f32),
-                entropy=jax.ShapeDtypeStruct((num_seqs, gamma), f32))
+                tokens=self._sds((num_seqs, gamma), i32),
+                logits=self._sds((num_seqs, gamma, vocab), f32),
+                num_drafted=self._sds((num_seqs,), i32),
+                confidence=self._sds((num_seqs, gamma), f32),
+                entropy=self._sds((num_seqs, gamma), f32))
             specs = (_spec(m.params), _spec(self.pool_kv[model]),
                      self._input_spec(num_seqs * (gamma + 2), num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs), draft,
-                     jax.ShapeDtypeStruct((num_seqs, gamma), i32))
-            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
+                     self._sds((num_seqs, gamma), i32))
+            return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("intermediate", num_seqs, gamma, with_signal, model), m, build)
 
@@ -398,7 +447,7 @@ class ModelRunner:
             fn = functools.partial(device_steps.catch_up, cfg=m.cfg, attention_fn=self._attn)
             specs = (_spec(m.params), _spec(self.pool_kv[model]),
                      self._input_spec(num_tokens, self.catch_up_rows, 2))
-            return compile_lowered(jax.jit(fn, donate_argnums=(1,)).lower(*specs))
+            return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("catch_up", num_tokens, self.catch_up_rows, model), m, build)
 
@@ -487,7 +536,7 @@ class ModelRunner:
         """One chunk of a migration plan (``migrate_bucket`` pairs) over a pool of ``spec``."""
         def build():
             fn = kernel_backend.migration_fn(self.kernel_backend)
-            pairs = jax.ShapeDtypeStruct((self.migrate_bucket, 2), jnp.int32)
+            pairs = self._sds((self.migrate_bucket, 2), jnp.int32)
             return compile_lowered(fn.lower(spec.k, spec.v, pairs))
 
         return self._executable(("migrate", self.migrate_bucket) + key, model, build)
@@ -594,13 +643,10 @@ class ModelRunner:
         return moved
 
     def device_bytes(self) -> dict[str, int]:
-        """Bytes this runner holds in device memory, by part: what elastic memory trades
-        (the draft's weights and KV pool against the target's extension segment)."""
-        def nbytes(tree):  # host copies (pinned_host arrays, numpy) do not count
-            return sum(a.nbytes for a in jax.tree_util.tree_leaves(tree)
-                       if isinstance(a, jax.Array)
-                       and a.sharding.memory_kind in (None, "device"))
-
+        """Bytes this runner holds in one device's memory (the mesh's first under tensor
+        parallelism, where every device holds the same share), by part: what elastic memory
+        trades (the draft's weights and KV pool against the target's extension segment)."""
+        nbytes = sharding.bytes_per_device
         return {"target_params": nbytes(self.target.params),
                 "target_kv": nbytes(self.target_kv),
                 "draft_params": sum(nbytes(m.params) for m in self.pool),

@@ -167,8 +167,11 @@ def _read_index(index_file: str) -> dict[str, str]:
     return weight_map
 
 
-def load_checkpoint(path: str | os.PathLike, dtype=jnp.bfloat16) -> tuple[ModelConfig, dict]:
+def load_checkpoint(path: str | os.PathLike, dtype=jnp.bfloat16, on_host: bool = False
+                    ) -> tuple[ModelConfig, dict]:
     """Read an HF checkpoint directory into (config, runtime params as jnp arrays of ``dtype``).
+    ``on_host``: numpy arrays instead, for a caller that places them itself (tensor parallelism
+    sends each device its shard, models/sharding.py, without the whole model on one device).
 
     Tensors not used by the architecture (e.g. ``rotary_emb.inv_freq``) are ignored; a redundant
     ``lm_head.weight`` in a tied checkpoint is ignored too (the head is the embedding, as in HF).
@@ -196,6 +199,8 @@ def load_checkpoint(path: str | os.PathLike, dtype=jnp.bfloat16) -> tuple[ModelC
                     f"from {CONFIG_FILE}"
                 )
         params = _assemble(cfg, lambda name: source.get(name, np_dtype), np_dtype)
+    if on_host:
+        return cfg, params
     return cfg, {k: _to_jnp(v) for k, v in params.items()}
 
 

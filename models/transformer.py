@@ -10,12 +10,16 @@ ever owns.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh
+
+from models import sharding
 from models.config import ModelConfig
 from pallas_kernels import segments
 from pallas_kernels.pytree import array_dataclass
@@ -109,21 +113,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
 def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, *,
-                  cfg: ModelConfig) -> jax.Array:
+                  cfg: ModelConfig, reduce=None) -> jax.Array:
     """One pre-norm decoder layer over flat tokens x [T, hidden].
 
     ``attend(q, k, v) -> [T, heads, head_dim]`` receives the rotated projections and decides
     where keys come from: the paged pool (serving) or the tokens themselves (dense, training).
+    ``reduce`` sums the row-parallel projections' partial products across a tensor-parallel
+    mesh (float32, before the bias); None on one device.
     """
     num_tokens = x.shape[0]
     dtype = x.dtype
@@ -138,13 +140,19 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
     v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
     o = jnp.dot(attn.reshape(num_tokens, q_size), lp["wo"], preferred_element_type=jnp.float32)
+    if reduce is not None:
+        o = reduce(o)
     if cfg.o_bias:
         o = o + lp["bo"].astype(jnp.float32)
     x = x + o.astype(dtype)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return x + _dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"])
+    down = jnp.dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"],
+                   preferred_element_type=jnp.float32)
+    if reduce is not None:
+        down = reduce(down)
+    return x + down.astype(dtype)
 
 
 def lm_head(params: dict, hidden: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -162,16 +170,54 @@ def forward(
     cfg: ModelConfig,
     attention_fn: AttentionFn = ragged_paged_attention_tiled,
     return_hidden: bool = False,
+    mesh: Mesh | None = None,
 ):
     """Returns (logits [R, vocab] float32, updated kv). Pure; jit with ``kv`` donated.
 
     With ``return_hidden`` the final-norm hidden states at the logits rows are returned too
-    (training and distillation use them).
+    (training and distillation use them). With a ``mesh`` the params and the pool are sharded
+    by models.sharding's rules and every device runs this same forward on its own heads
+    (``shard_map``): attention without communication, two all-reduces per layer, the logits
+    gathered over the vocabulary; everything returned but the pool is replicated.
     """
+    if mesh is None:
+        return _forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn,
+                        return_hidden=return_hidden)
+    tp = mesh.size
+    body = functools.partial(_forward, cfg=sharding.local_config(cfg, tp),
+                             attention_fn=attention_fn, return_hidden=return_hidden,
+                             axis=sharding.AXIS)
+    kv_specs = KVCache(sharding.KV_SPEC, sharding.KV_SPEC)
+    rep = sharding.REPLICATED
+    out_specs = (rep, kv_specs, rep) if return_hidden else (rep, kv_specs)
+    # check_vma off: the Pallas kernel's outputs carry no replication type; every output here is
+    # replicated by construction (all-reduced or gathered) or sharded as declared
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(sharding.param_specs(cfg, tp), kv_specs, rep),
+                         out_specs=out_specs, check_vma=False)(params, kv, batch)
+
+
+def _embed(params: dict, ids: jax.Array, axis: str | None) -> jax.Array:
+    table = params["embed"]
+    if axis is None:
+        return table[ids].astype(table.dtype)
+    # this device's rows of the vocabulary-sharded table; the others add zeros
+    rows = table.shape[0]
+    local = ids - jax.lax.axis_index(axis) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], 0).astype(table.dtype)
+    return jax.lax.psum(x, axis)
+
+
+def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
+             attention_fn: AttentionFn, return_hidden: bool, axis: str | None = None):
+    """``forward`` on one device; under ``shard_map`` (``axis`` named) on this device's share:
+    ``cfg`` is then models.sharding.local_config's, the params and pool are local slices."""
     md = batch.attn
     num_tokens = batch.input_ids.shape[0]
     block_size = kv.block_size
-    x = params["embed"][batch.input_ids].astype(params["embed"].dtype)
+    vocab_split = axis is not None and params["lm_head"].shape[1] < cfg.vocab_size
+    x = _embed(params, batch.input_ids, axis if vocab_split else None)
     cos, sin = rope_tables(md.positions, cfg)
 
     # Slot of every new token in the pool; padding tokens go to the null block.
@@ -182,6 +228,7 @@ def forward(
     blocks = jnp.where(valid, md.page_table[token_seq, page], 0)
     offsets = jnp.where(valid, md.positions % block_size, token_idx % block_size)
     sm_scale = cfg.head_dim ** -0.5
+    reduce = None if axis is None else functools.partial(jax.lax.psum, axis_name=axis)
 
     def layer(carry, xs):
         x, k_pool, v_pool = carry
@@ -195,12 +242,14 @@ def forward(
             return attention_fn(q, k_pool, v_pool, i, md, sm_scale=sm_scale,
                                 sliding_window=cfg.sliding_window)
 
-        x = decoder_layer(lp, x, cos, sin, attend, cfg=cfg)
+        x = decoder_layer(lp, x, cos, sin, attend, cfg=cfg, reduce=reduce)
         return (x, k_pool, v_pool), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, kv.k, kv.v), (params["layers"], layer_ids))
     logits, hidden = lm_head(params, x[batch.logits_indices], cfg)
+    if vocab_split:
+        logits = jax.lax.all_gather(logits, axis, axis=1, tiled=True)
     new_kv = KVCache(k_pool, v_pool)
     if return_hidden:
         return logits, new_kv, hidden

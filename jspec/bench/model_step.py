@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=["target", "draft"], help="which shapes to time")
     parser.add_argument("--bandwidth-mib", type=int, default=1024,
                         help="array size for the memory-bandwidth measurement")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                        help="split the target over N devices as the engine does "
+                             "(models/sharding.py; the draft is replicated) and report the "
+                             "bytes each device holds (on CPU: N host devices)")
     parser.add_argument("--small", action="store_true",
                         help="tiny shapes and grid: a quick smoke run of the same code path")
 
@@ -115,22 +119,43 @@ class ForwardTimer:
     shape, a warm-up call (compilation excluded), then the fastest of ``repeats`` calls. Shared
     by this benchmark, `jspec bench pair` and `jspec profile`."""
 
-    def __init__(self, cfg, params, kv_dtype, block_size: int, repeats: int):
+    def __init__(self, cfg, params, kv_dtype, block_size: int, repeats: int, mesh=None,
+                 shard: bool = True):
+        """``mesh``: a tensor-parallel mesh (models.sharding.make_mesh); the model is split over
+        it (``shard``, the target's case) or replicated on it (a draft's)."""
         import functools
 
         import jax
 
+        from models import sharding
         from models.transformer import forward
 
+        if mesh is not None:
+            params = (sharding.shard_params(params, cfg, mesh) if shard
+                      else sharding.replicate(params, mesh))
         self.cfg, self.params, self.kv_dtype = cfg, params, kv_dtype
         self.block_size, self.repeats = block_size, repeats
-        self.step = jax.jit(functools.partial(forward, cfg=cfg), donate_argnames=("kv",))
+        self.mesh = mesh
+        self.kv_spec = sharding.KV_SPEC if shard else sharding.REPLICATED
+        self.step = jax.jit(functools.partial(forward, cfg=cfg,
+                                              mesh=mesh if shard else None),
+                            donate_argnames=("kv",))
+        self.kv_bytes_per_device = 0
 
     def __call__(self, batch_size: int, query_len: int, context: int) -> float:
+        import jax
+        from jax.sharding import NamedSharding
+
+        from models import sharding
         from models.transformer import KVCache
 
         batch, num_blocks = make_batch(batch_size, query_len, context, self.block_size)
-        state = {"kv": KVCache.create(self.cfg, num_blocks, self.block_size, self.kv_dtype)}
+        kv = KVCache.create(self.cfg, num_blocks, self.block_size, self.kv_dtype)
+        if self.mesh is not None:
+            kv = jax.device_put(kv, NamedSharding(self.mesh, self.kv_spec))
+            batch = sharding.replicate(batch, self.mesh)
+        self.kv_bytes_per_device = max(self.kv_bytes_per_device, sharding.bytes_per_device(kv))
+        state = {"kv": kv}
 
         def call():
             logits, state["kv"] = self.step(self.params, state["kv"], batch)
@@ -140,11 +165,12 @@ class ForwardTimer:
         return _best_seconds(call, self.repeats)
 
 
-def time_grid(cfg, params, dtype, args) -> dict[tuple[int, int], float]:
-    """Fastest seconds per step for every (B, q) of the grid."""
-    timer = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats)
+def time_grid(cfg, params, dtype, args, mesh=None, shard: bool = True):
+    """Fastest seconds per step for every (B, q) of the grid, and the timer (its params, on
+    the mesh if one is given, and the largest KV pool it made)."""
+    timer = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats, mesh, shard)
     return {(b, q): timer(b, q, args.context)
-            for b in args.batch_sizes for q in args.query_lens}
+            for b in args.batch_sizes for q in args.query_lens}, timer
 
 
 def _format_table(results, args) -> list[str]:
@@ -167,6 +193,7 @@ def measure(args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
 
     from models.config import ModelConfig
+    from models.params import params_nbytes
 
     if args.small:
         target_shape, draft_shape = SMALL_TARGET, SMALL_DRAFT
@@ -186,8 +213,15 @@ def measure(args: argparse.Namespace) -> dict:
 
     import jax
 
+    from models import sharding
+
+    mesh = sharding.make_mesh(args.tensor_parallel_size)
+    if mesh is not None:
+        sharding.check_shardable(configs["target"], mesh.size)
+
     print(f"jspec bench model-step: backend {jax.default_backend()}, {jax.device_count()} "
-          f"device(s), jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+          f"device(s), tensor parallel size {args.tensor_parallel_size}, jax {jax.__version__}, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     t, d = configs["target"], configs["draft"]
     flops_ratio = t.num_params() / d.num_params()
     print(f"target: Qwen2.5-0.5B shape, {t.num_params() / 1e6:.1f}M params "
@@ -211,13 +245,26 @@ def measure(args: argparse.Namespace) -> dict:
             cfg = configs[model]
             params = random_params(cfg, dtype)
             weight_bytes = weight_bytes_per_step(params)
-            results = time_grid(cfg, params, dtype, args)
-            del params
-            measured[dtype_name, model] = results
-            runs.append({"dtype": dtype_name, "model": model, "config": cfg,
-                         "weight_bytes": weight_bytes, "seconds": results})
+            results, timer = time_grid(cfg, params, dtype, args, mesh, shard=model == "target")
+            run = {"dtype": dtype_name, "model": model, "config": cfg,
+                   "weight_bytes": weight_bytes, "seconds": results}
             print()
             print(f"[{dtype_name}] {model}: {weight_bytes / 1e6:.1f} MB of weights read per step")
+            if mesh is not None:
+                # each device reads its own share: the bandwidth figures below use it
+                split = model == "target"
+                run["params_bytes_per_device"] = sharding.bytes_per_device(timer.params)
+                run["kv_bytes_per_device"] = timer.kv_bytes_per_device
+                weight_bytes = weight_bytes // mesh.size if split else weight_bytes
+                run["weight_bytes_per_device"] = weight_bytes
+                print(f"  on each of {mesh.size} devices ({'split' if split else 'replicated'}): "
+                      f"{run['params_bytes_per_device'] / 1e6:.1f} MB of params "
+                      f"(of {params_nbytes(params) / 1e6:.1f} MB), "
+                      f"{weight_bytes / 1e6:.1f} MB read per step, largest KV pool "
+                      f"{timer.kv_bytes_per_device / 1e6:.2f} MB")
+            del params, timer
+            measured[dtype_name, model] = results
+            runs.append(run)
             for line in _format_table(results, args):
                 print(line)
             _print_observations(results, args, weight_bytes, bandwidth)

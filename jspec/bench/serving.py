@@ -47,6 +47,7 @@ from typing import Any
 
 from jspec.bench import arrivals as arr
 from jspec.bench import workloads as wl
+from jspec.cli_common import add_tensor_parallel_argument
 from jspec.bench.serving_metrics import (RequestRecord, StepRecords, compute_metrics,
                                          gamma_by_batch, summarize, time_series)
 
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             help="engine option (default: EngineConfig's)")
     models.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV pool size as a memory budget (instead of --num-kv-blocks)")
+    add_tensor_parallel_argument(models)
     models.add_argument("--elastic-memory", action="store_true",
                         help="run every policy twice, without and with elastic memory "
                              "(Nightjar §5: the draft offloaded to grow the KV pool under "
@@ -598,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
                      "max_num_seqs": args.max_num_seqs,
                      "synthetic_acceptance": args.synthetic_acceptance}
     for name in ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                 "min_token_bucket", "kv_cache_memory_bytes"):
+                 "min_token_bucket", "kv_cache_memory_bytes", "tensor_parallel_size"):
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
     if synthetic is not None:
