@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tp = getattr(args, "tensor_parallel_size", None)
     if tp and tp > 1:
-        configure_cpu_devices(tp)
+        # several processes (jspec/distributed.py) each bring their share of the mesh
+        configure_cpu_devices(max(1, tp // (getattr(args, "num_processes", None) or 1)))
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except ValueError as e:  # user mistakes surface as one line, not a traceback

@@ -146,6 +146,24 @@ def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:
     return policy_options
 
 
+def join_processes(args: argparse.Namespace, policy_options: dict[str, Any]):
+    """A multi-process run (--coordinator-address ...): join the processes before anything
+    starts JAX's backend (jspec/distributed.py) and return this process's StepSync; None for
+    a single process."""
+    from jspec import distributed
+    from policies import make_policy
+
+    if not distributed.check_arguments(args):
+        return None
+    policy = make_policy(args.policy, args.num_speculative_tokens, **policy_options)
+    if policy.needs_profile and policy.profile is None:
+        raise ValueError(f"policy {args.policy!r} measures a step-time profile when the engine "
+                         "starts, which a multi-process run cannot do yet (each process would "
+                         "time steps of its own); pass --policy-option profile=FILE from "
+                         "`jspec profile`")
+    return distributed.initialize(args)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (unset ones: EngineConfig's default)."""
     return {name: getattr(args, name) for name in ENGINE_OPTION_FIELDS

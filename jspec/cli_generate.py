@@ -15,9 +15,10 @@ import os
 import sys
 import time
 
+from jspec import distributed
 from jspec.cli_common import (add_engine_arguments, add_model_arguments,
                               add_speculation_arguments, check_model_arguments,
-                              describe_models, engine_kwargs, warmup)
+                              describe_models, engine_kwargs, join_processes, warmup)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, max_num_seqs_help=(
         "sequences per step (default: the number of prompts, at most 16; fewer rows mean fewer "
         "shape buckets to compile)"))
+    distributed.add_arguments(parser)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     prompts = read_prompts(args)
+    sync = join_processes(args, policy_options)
 
     # jspec reads checkpoints without torch; transformers' "PyTorch was not found" advice is noise
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -122,12 +125,21 @@ def run(args: argparse.Namespace) -> int:
         llm.engine.validate_request(prompt, sampling_params)
     if args.policy_state and os.path.exists(args.policy_state):
         llm.engine.load_policy_state(args.policy_state)
+    if sync is not None:
+        llm.engine.set_step_sync(sync)
     if not args.no_warmup:
-        warmup(llm.engine, progress)
+        warmup(llm.engine, progress and (sync is None or sync.leader))
+    if sync is not None and not sync.leader:
+        distributed.follow(llm.engine)  # process 0 prints the results
+        return 0
 
     steps_before = llm.engine.metrics.num_steps
     start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling_params, use_tqdm=progress)
+    try:
+        outputs = llm.generate(prompts, sampling_params, use_tqdm=progress)
+    finally:
+        if sync is not None:
+            sync.stop()
     seconds = time.perf_counter() - start
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         print(f"### prompt {i} ({out.finish_reason}, {len(out.token_ids)} tokens): {prompt}")

@@ -15,9 +15,10 @@ import argparse
 import os
 import sys
 
+from jspec import distributed
 from jspec.cli_common import (add_engine_arguments, add_model_arguments,
                               add_speculation_arguments, check_model_arguments,
-                              describe_models, engine_kwargs, warmup)
+                              describe_models, engine_kwargs, join_processes, warmup)
 
 DEFAULT_MODEL_NAME = "jspec-default"
 
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long requests in flight get to finish before "
                              "they are aborted (default: %(default)s)")
+    distributed.add_arguments(parser)
 
 
 def _require_server_dependencies() -> None:
@@ -114,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
     describe_models(args)
     progress = not args.no_progress
 
-    def load_engine(cancelled):
-        from jspec.async_engine import AsyncLLMEngine
+    sync = join_processes(args, policy_options)
+
+    def build(should_stop=None):
         from jspec.llm import build_engine
 
         engine = build_engine(args.target, args.draft, tokenizer=args.tokenizer,
@@ -127,12 +130,30 @@ def run(args: argparse.Namespace) -> int:
                               **engine_kwargs(args))
         if args.policy_state and os.path.exists(args.policy_state):
             engine.load_policy_state(args.policy_state)
+        if sync is not None:
+            engine.set_step_sync(sync)
         if not args.no_warmup:
-            warmup(engine, progress, should_stop=cancelled.is_set)
-        return AsyncLLMEngine(engine)
+            warmup(engine, progress and (sync is None or sync.leader), should_stop=should_stop)
+        return engine
+
+    if sync is not None and not sync.leader:
+        # a follower serves nothing: it runs the leader's steps on its devices until it stops
+        steps = distributed.follow(build())
+        print(f"process {args.process_id}: the leader stopped after {steps} steps",
+              file=sys.stderr)
+        return 0
+
+    def load_engine(cancelled):
+        from jspec.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine(build(cancelled.is_set))
 
     server = Server(options, load_engine, host=args.host, port=args.port)
-    engine = asyncio.run(server.run(handle_signals=True))
+    try:
+        engine = asyncio.run(server.run(handle_signals=True))
+    finally:
+        if sync is not None:
+            sync.stop()
     if engine is not None and args.policy_state:
         engine.save_policy_state(args.policy_state)
     return 0

@@ -20,6 +20,7 @@ from jspec import input_batch as ib
 from jspec.block_manager import BlockManager
 from jspec.config import EngineConfig, gamma_bucket, gamma_buckets, resolve
 from jspec.detokenizer import IncrementalDetokenizer, find_stop
+from jspec.distributed import StepSync
 from jspec.elastic import DraftState, ElasticMemory, extension_blocks, tree_bytes
 from jspec.engine_info import EngineLimits, EngineStats
 from jspec.jsonfile import read_json
@@ -185,6 +186,10 @@ class LLMEngine:
         self.last_outcome: StepOutcome | None = None
         self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
         self._step_listeners: list[Callable[[StepOutcome], None]] = []
+        # several hosts (jspec/distributed.py): the leader's requests, aborts and policy
+        # decisions, shared so that every process runs the same steps
+        self.sync: StepSync | None = None
+        self._events: list[tuple] = []
         # benchmarks: sync between device stages so StepOutcome.stage_times splits them exactly
         self.time_stages = False
         # Streaming callers want every step's deltas; offline generation only the finished
@@ -280,9 +285,13 @@ class LLMEngine:
             detok=IncrementalDetokenizer(self.tokenizer), max_tokens=max_tokens,
             arrival_time=now)
         self.scheduler.add(seq)
+        if self.sync is not None and self.sync.leader:
+            self._events.append(("add", request_id, token_ids, sampling_params))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self.sync is not None and self.sync.leader:
+            self._events.append(("abort", ids))
         for rid in ids:
             req = self._requests.get(rid)
             if req is None:
@@ -310,7 +319,32 @@ class LLMEngine:
         listeners.remove(fn)
         self._step_listeners = listeners
 
+    def set_step_sync(self, sync: StepSync) -> None:
+        """Run as one of several processes (jspec/distributed.py): as the leader, publish
+        every step's requests, aborts and policy decisions; as a follower, take them from the
+        leader (a follower's own add_request / abort_request calls are the replayed ones)."""
+        self.sync = sync
+
+    def _replay(self, events: list[tuple]) -> None:
+        for event in events:
+            if event[0] == "add":
+                self.add_request(*event[1:])
+            else:
+                self.abort_request(event[1])
+
+    def _take_events(self) -> list[tuple]:
+        events, self._events = self._events, []
+        return events
+
+    def _decide(self, decide: Callable):
+        """A policy decision: the leader's on every process of a multi-process run."""
+        return decide() if self.sync is None else self.sync.share(decide)
+
     def step(self) -> list[RequestOutput]:
+        if self.sync is not None:
+            events = self.sync.share(self._take_events)
+            if not self.sync.leader:
+                self._replay(events)
         if self.elastic is not None:
             self._elastic_tick()
         clock = StageClock(sync=self.time_stages or self.policy.timed_stages)
@@ -425,7 +459,7 @@ class LLMEngine:
         st.view = self._batch_view(st)
         if len(decode_idx) and self.chains:
             t_policy = time.perf_counter()
-            st.plan = self.policy.plan(st.view)
+            st.plan = self._decide(lambda: self.policy.plan(st.view))
             self.metrics.policy_time += time.perf_counter() - t_policy
             self.metrics.policy_calls += 1
             self._apply_plan(st)
@@ -536,7 +570,7 @@ class LLMEngine:
         stats = DraftStats(num_drafted=drafted[idx], confidence=conf[idx],
                            draft_entropy=ent[idx])
         t_policy = time.perf_counter()
-        lens = self.policy.select(st.view, stats)
+        lens = self._decide(lambda: self.policy.select(st.view, stats))
         self.metrics.policy_time += time.perf_counter() - t_policy
         if lens is None:
             return

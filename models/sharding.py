@@ -155,5 +155,8 @@ def bytes_per_device(tree) -> int:
 
 
 def replicate(tree, mesh: Mesh):
-    """Every leaf of ``tree`` whole on every device of ``mesh`` (the drafts, the inputs)."""
-    return jax.device_put(tree, NamedSharding(mesh, REPLICATED))
+    """Every leaf of ``tree`` whole on every device of ``mesh`` (the drafts, the inputs).
+    Through host memory: on a mesh spanning processes, device_put of an array already on a
+    local device built arrays whose shards could not be listed (jax 0.10.2)."""
+    where = NamedSharding(mesh, REPLICATED)
+    return jax.tree_util.tree_map(lambda a: jax.device_put(np.asarray(a), where), tree)

@@ -37,6 +37,40 @@ def spec_of(array) -> str:
     return str(getattr(array.sharding, "spec", "single-device"))
 
 
+def pallas_under_shard_map() -> float:
+    """The Pallas attention kernel (interpret mode) inside the shard_mapped forward on 2
+    devices, against the single-device reference forward: max |logit difference|."""
+    import functools
+
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from models import sharding
+    from models.transformer import KVCache, ModelInput, forward
+    from pallas_kernels.backend import attention_fn
+    from pallas_kernels.ragged_paged_attention import AttentionMetadata
+
+    cfg = tiny_config("qwen2", vocab_size=VOCAB, num_heads=8, num_kv_heads=4)
+    params = init_params(cfg, seed=3, std=0.2)
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    # a 3-token prefill chunk and a 2-token verify window over 17 cached tokens, one padding
+    batch = ModelInput(i32(5, 7, 9, 11, 13, 0),
+                       AttentionMetadata(positions=i32(0, 1, 2, 17, 18, 0),
+                                         cu_q_lens=i32(0, 3, 5), kv_lens=i32(3, 19),
+                                         page_table=i32([1, 0], [2, 3])),
+                       i32(2, 3, 4))
+    kv = KVCache.create(cfg, 4, 16, jnp.float32)
+    kv = KVCache(kv.k.at[:, 2:4].set(0.5), kv.v.at[:, 2:4].set(-0.25))  # some cached context
+    reference, _ = jax.jit(functools.partial(forward, cfg=cfg))(params, kv, batch)
+    mesh = sharding.make_mesh(2)
+    sharded, _ = jax.jit(functools.partial(forward, cfg=cfg, mesh=mesh,
+                                           attention_fn=attention_fn("interpret")))(
+        sharding.shard_params(params, cfg, mesh),
+        jax.device_put(kv, NamedSharding(mesh, sharding.KV_SPEC)),
+        sharding.replicate(batch, mesh))
+    return float(jnp.abs(sharded - reference).max())
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (5, 23, 40)]
@@ -91,6 +125,7 @@ def main() -> None:
                 for out in engine.step():
                     if out.finished:
                         report["small_draft_tp4_tokens"] = list(out.token_ids)
+    report["pallas_max_abs_diff"] = pallas_under_shard_map()
     # `jspec bench model-step --tensor-parallel-size 2` (its tables go to stderr here)
     parser = argparse.ArgumentParser()
     model_step.add_arguments(parser)
