@@ -109,9 +109,13 @@ class LLM:
     the other policies draft with the pool's smallest model. With no models given,
     ``policy="specrouter"`` runs the built-in pool (draft, mid, target).
 
+    ``tensor_parallel_size=N`` splits the target over N devices (docs/distributed.md; on CPU
+    set ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX starts).
+
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
-    ``dtype``, ``seed``, ``policy_options``, ``warmup``) are those of ``EngineConfig``.
+    ``dtype``, ``seed``, ``policy_options``, ``warmup``, ``tensor_parallel_size``) are those of
+    ``EngineConfig``.
     """
 
     def __init__(self, target: str | os.PathLike | None = None,
