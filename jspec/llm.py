@@ -47,7 +47,7 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
     from jspec.config import resolve_dtype
     from jspec.default_models import cache_dir, default_pair, default_pool
     from jspec.engine import LLMEngine
-    from jspec.platform import warn_if_slow_cpu_bf16
+    from jspec.platform import configure_cpu_devices, warn_if_slow_cpu_bf16
     from jspec.runner import LoadedModel, enable_persistent_compilation_cache
     from models.loader import load_tokenizer
 
@@ -56,6 +56,8 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
 
     policy_options = engine_kwargs.pop("policy_options", None) or {}
     config = EngineConfig(policy_options=tuple(sorted(policy_options.items())), **engine_kwargs)
+    if config.tensor_parallel_size > 1:  # CPU only: a mesh of host devices, if still possible
+        configure_cpu_devices(config.tensor_parallel_size)
     names = None
     if target is None:
         if draft is not None and not (isinstance(draft, (list, tuple)) and not draft):
@@ -109,8 +111,9 @@ class LLM:
     the other policies draft with the pool's smallest model. With no models given,
     ``policy="specrouter"`` runs the built-in pool (draft, mid, target).
 
-    ``tensor_parallel_size=N`` splits the target over N devices (docs/distributed.md; on CPU
-    set ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX starts).
+    ``tensor_parallel_size=N`` splits the target over N devices (docs/distributed.md). On a
+    machine without accelerators the first such LLM splits the CPU into N devices if JAX has
+    not started yet (else set ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before).
 
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
