@@ -19,7 +19,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import NamedSharding
 
 from jspec import device_steps

@@ -25,6 +25,7 @@ The draft models stay replicated (the runner's choice, jspec/runner.py says why)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -144,14 +145,16 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 def bytes_per_device(tree) -> int:
     """Bytes of ``tree``'s device arrays held by one device (the lowest-numbered one holding the
     first array; under these rules every device of the mesh holds the same share). Arrays in
-    host memory (an offloaded draft's pinned_host copy) and numpy arrays do not count."""
+    host memory (an offloaded draft's pinned_host copy) and numpy arrays do not count. Reads
+    shapes and placements only, never the data: a server's metrics thread calls it while the
+    engine thread donates the KV pools it lists."""
     arrays = [a for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)
               and a.sharding.memory_kind in (None, "device")]
     if not arrays:
         return 0
-    first = min(arrays[0].sharding.addressable_devices, key=lambda d: d.id)
-    return sum(shard.data.nbytes for a in arrays for shard in a.addressable_shards
-               if shard.device == first)
+    first = min(arrays[0].sharding.device_set, key=lambda d: d.id)
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in arrays if first in a.sharding.device_set)
 
 
 def replicate(tree, mesh: Mesh):

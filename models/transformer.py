@@ -16,7 +16,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh
 
 from models import sharding
