@@ -46,11 +46,11 @@ class Coin(Policy):
         super().__init__(max_gamma)
         self.rng = np.random.default_rng(seed)
 
-    def possible_gammas(self):
-        return set(range(self.max_gamma + 1))
+    def possible_gammas(self):  # the γ buckets of static γ = Γmax: executables shared
+        return {0, self.max_gamma}
 
     def plan(self, view):
-        return DraftPlan(self.rng.integers(0, self.max_gamma + 1, view.num_decode))
+        return DraftPlan(self.max_gamma * self.rng.integers(0, 2, view.num_decode))
 
 
 def test_step_sync_orders_values_and_stops():
