@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     sync = join_processes(args, policy_options)
 
-    # jspec reads checkpoints without torch; transformers' "PyTorch was not found" advice is noise
+    # transformers' advisory warnings (about torch-only features) are noise to jspec's users
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from jspec.llm import LLM
 

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     options = ServerOptions(model_name=served_model_name(args), api_key=args.api_key,
                             max_queue=args.max_queue, grace_period=args.grace_period)
 
-    # jspec reads checkpoints without torch; transformers' "PyTorch was not found" advice is noise
+    # transformers' advisory warnings (about torch-only features) are noise to jspec's users
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     _log_to_stderr()
     describe_models(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from typing import Any, Sequence as Seq
@@ -34,6 +35,68 @@ def _pool_names(paths: list) -> list[str]:
     return [os.path.basename(os.path.normpath(os.fspath(p))) or "draft" for p in paths]
 
 
+# vLLM options a vLLM user may pass that jspec does not take, and what to do instead
+_VLLM_ONLY_OPTIONS = {
+    "gpu_memory_utilization": "the KV cache takes 90% of the memory free after loading by "
+                              "default; size it with kv_cache_memory_bytes or num_kv_blocks",
+    "trust_remote_code": "jspec runs llama, qwen2 and mistral checkpoints with its own code, "
+                         "never a checkpoint's",
+    "enforce_eager": "every shape bucket is compiled ahead of time; warmup=False compiles "
+                     "them on first use instead",
+    "pipeline_parallel_size": "only tensor parallelism is built (tensor_parallel_size)",
+    "quantization": "weights run in bfloat16 or float32 (dtype)",
+}
+
+
+def check_engine_options(options: dict[str, Any]) -> None:
+    """Every keyword an LLM / build_engine passes on must be an EngineConfig field: a ValueError
+    naming the option (and, for vLLM's own options, what to do instead) rather than a TypeError
+    from deep inside."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"policy_options"}
+    for name in options:
+        if name in fields:
+            continue
+        if name in _VLLM_ONLY_OPTIONS:
+            raise ValueError(f"option {name!r} is not supported: {_VLLM_ONLY_OPTIONS[name]}")
+        raise ValueError(f"unknown option {name!r}; engine options are "
+                         f"{', '.join(sorted(fields | {'policy_options'}))}")
+
+
+def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
+                        num_speculative_tokens: int | None):
+    """(target, draft, Γmax) from jspec's spelling or vLLM's (``model=``,
+    ``speculative_config={"model": ..., "num_speculative_tokens": N, "method":
+    "draft_model"}``); mixing the two for the same thing is an error."""
+    if model is not None:
+        if target is not None:
+            raise ValueError("give the target once: target= (jspec) or model= (vLLM)")
+        target = model
+    if speculative_config is not None:
+        if not isinstance(speculative_config, dict):
+            raise ValueError(f"speculative_config must be a dict, got "
+                             f"{type(speculative_config).__name__}")
+        spec = dict(speculative_config)
+        method = spec.pop("method", None)
+        if method not in (None, "draft_model"):
+            raise ValueError(f"speculative_config method {method!r} is not supported: jspec "
+                             "speculates with draft models (method 'draft_model')")
+        if "model" in spec:
+            if draft is not None:
+                raise ValueError("give the draft once: draft= (jspec) or "
+                                 "speculative_config['model'] (vLLM)")
+            draft = spec.pop("model")
+        if "num_speculative_tokens" in spec:
+            n = spec.pop("num_speculative_tokens")
+            if num_speculative_tokens is not None and num_speculative_tokens != n:
+                raise ValueError(f"num_speculative_tokens={num_speculative_tokens} and "
+                                 f"speculative_config['num_speculative_tokens']={n} disagree")
+            num_speculative_tokens = n
+        if spec:
+            raise ValueError(f"speculative_config key {sorted(spec)[0]!r} is not supported; "
+                             "supported: model, num_speculative_tokens, method")
+    return target, draft, 4 if num_speculative_tokens is None else num_speculative_tokens
+
+
 def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
                  draft: "str | os.PathLike | LoadedModel | Seq[str | os.PathLike | LoadedModel]"
                         " | None" = None,
@@ -55,6 +118,7 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         enable_persistent_compilation_cache(str(cache_dir() / "xla"))
 
     policy_options = engine_kwargs.pop("policy_options", None) or {}
+    check_engine_options(engine_kwargs)
     config = EngineConfig(policy_options=tuple(sorted(policy_options.items())), **engine_kwargs)
     if config.tensor_parallel_size > 1:  # CPU only: a mesh of host devices, if still possible
         configure_cpu_devices(config.tensor_parallel_size)
@@ -96,6 +160,19 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
     return LLMEngine(target_model, draft_model, config, tokenizer=tok, policy=policy_obj)
 
 
+def _prompt_of(prompt):
+    """A prompt as the engine takes it (text or token ids) from vLLM's dict forms too."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    raise ValueError(f"a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids' "
+                     f"(token ids), got keys {sorted(keys)}")
+
+
 class LLM:
     """Offline batched generation with speculative decoding.
 
@@ -105,6 +182,8 @@ class LLM:
     >>> outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))
     >>> outs[0].text, outs[0].spec.acceptance_rate
     >>> llm = LLM(target="7b", draft=["0.5b", "1.5b"], policy="specrouter")  # a pool: chains
+    >>> llm = LLM(model="7b", speculative_config={"model": "0.5b",      # vLLM's spelling
+    ...                                           "num_speculative_tokens": 4})
 
     ``draft`` may be a list of checkpoint directories sharing the target's vocabulary: a pool
     from which SpecRouter (``policy="specrouter"``) picks chains such as small -> mid -> target;
@@ -124,8 +203,12 @@ class LLM:
     def __init__(self, target: str | os.PathLike | None = None,
                  draft: "str | os.PathLike | Seq[str | os.PathLike] | None" = None, *,
                  policy: str = "static",
-                 num_speculative_tokens: int = 4, dtype: str = "auto",
-                 tokenizer: str | os.PathLike | None = None, **engine_kwargs: Any):
+                 num_speculative_tokens: int | None = None, dtype: str = "auto",
+                 tokenizer: str | os.PathLike | None = None,
+                 model: str | os.PathLike | None = None,
+                 speculative_config: dict | None = None, **engine_kwargs: Any):
+        target, draft, num_speculative_tokens = _from_vllm_spelling(
+            target, draft, model, speculative_config, num_speculative_tokens)
         self.engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy,
                                    num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                                    **engine_kwargs)
@@ -142,11 +225,13 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        """Generate for each prompt (text, token ids, or as vLLM takes them
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``); outputs come back in prompt
+        order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt_of(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -177,6 +262,15 @@ class LLM:
         prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def _progress(self, out_tokens: int, start: tuple[float, int, int]) -> dict[str, str]:
+        """Throughput and acceptance since ``start`` (step time, drafted, accepted)."""
+        m = self.engine.metrics
+        seconds = m.step_time - start[0]
+        drafted = m.spec_decode_num_draft_tokens - start[1]
+        accepted = m.spec_decode_num_accepted_tokens - start[2]
+        return {"tok_s": f"{out_tokens / max(seconds, 1e-9):.1f}",
+                "accept": f"{accepted / drafted if drafted else 0.0:.2f}"}
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
@@ -184,6 +278,9 @@ class LLM:
         self.engine.stream_outputs = False  # only finished requests matter here
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         out_tokens = 0
+        # the bar reports this call, not the engine's lifetime: counters from here on
+        m = self.engine.metrics
+        start = (m.step_time, m.spec_decode_num_draft_tokens, m.spec_decode_num_accepted_tokens)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -191,9 +288,7 @@ class LLM:
                         results[out.request_id] = out
                         out_tokens += len(out.token_ids)
                         bar.update(1)
-                        m = self.engine.metrics
-                        bar.set_postfix(tok_s=f"{out_tokens / max(m.step_time, 1e-9):.1f}",
-                                        accept=f"{m.acceptance_rate:.2f}")
+                        bar.set_postfix(self._progress(out_tokens, start))
         finally:
             bar.close()
         return [results[i] for i in ids]

@@ -25,6 +25,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's options that jspec does not implement: accepted only at the value that changes
+    # nothing, so vLLM code runs unchanged until it asks for one (_UNSUPPORTED says why)
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -37,6 +47,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name, (neutral, why) in _UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value not in neutral or isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} is not supported: {why}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
                 or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
@@ -60,6 +74,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+_ONE_SAMPLE = ("jspec returns one sample per request; for several, submit the prompt several "
+               "times with different seeds")
+_EXACT = ("jspec samples the target's distribution exactly (speculation is verified against "
+          "it), and logit penalties are not implemented")
+_UNSUPPORTED = {
+    "n": ((1,), _ONE_SAMPLE),
+    "best_of": ((None, 1), _ONE_SAMPLE),
+    "presence_penalty": ((0,), _EXACT),
+    "frequency_penalty": ((0,), _EXACT),
+    "repetition_penalty": ((1,), _EXACT),
+    "min_p": ((0,), "the filters implemented are top_k and top_p"),
+    "logprobs": ((None,), "log-probabilities are not returned yet"),
+    "prompt_logprobs": ((None,), "log-probabilities are not returned yet"),
+}
 
 
 def _is_number(x) -> bool:

@@ -17,6 +17,7 @@ import contextlib
 import glob
 import json
 import os
+import sys
 from typing import Any, Iterator
 
 import jax.numpy as jnp
@@ -371,12 +372,37 @@ def load_tokenizer(path: str | os.PathLike):
         raise ValueError(
             f"no tokenizer in {path!r}: expected one of {', '.join(_TOKENIZER_FILES)}"
         )
-    from transformers import AutoTokenizer
-
+    AutoTokenizer = import_transformers().AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ValueError(f"cannot load the tokenizer in {path!r}: {e}") from None
+    # The engine checks prompt lengths against max_model_len with its own error; the
+    # tokenizer's limit would only add a warning before it ("sequence length is longer than the
+    # specified maximum"). transformers' own value for "no limit":
+    tokenizer.model_max_length = int(1e30)
+    return tokenizer
+
+
+def import_transformers():
+    """``transformers``, imported without its "PyTorch was not found" notice (jspec uses it for
+    tokenizers only, which need no torch). The notice is logged once, at import; the library's
+    log level is put back right after, so later warnings of the user's own transformers code
+    still show."""
+    if "transformers" in sys.modules:
+        return sys.modules["transformers"]
+    before = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    try:
+        import transformers
+    finally:
+        if before is None:
+            del os.environ["TRANSFORMERS_VERBOSITY"]
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = before
+    log = transformers.utils.logging
+    log.set_verbosity(log.log_levels.get((before or "warning").lower(), log.WARNING))
+    return transformers
 
 
 def apply_chat_template(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -23,7 +23,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
     """Train a byte-level BPE on ``texts`` -> ``PreTrainedTokenizerFast`` (vocab ``vocab_size``
     including the 5 special tokens)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from models.loader import import_transformers
+
+    PreTrainedTokenizerFast = import_transformers().PreTrainedTokenizerFast
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special "
