@@ -189,8 +189,9 @@ def forward(
     kv_specs = KVCache(sharding.KV_SPEC, sharding.KV_SPEC)
     rep = sharding.REPLICATED
     out_specs = (rep, kv_specs, rep) if return_hidden else (rep, kv_specs)
-    # check_vma off: the Pallas kernel's outputs carry no replication type; every output here is
-    # replicated by construction (all-reduced or gathered) or sharded as declared
+    # check_vma off: JAX cannot infer that all-gathered logits are the same on every device
+    # (jax 0.10 has no invariant all-gather); every output here is replicated by construction
+    # (all-reduced or gathered) or sharded as declared
     return jax.shard_map(body, mesh=mesh,
                          in_specs=(sharding.param_specs(cfg, tp), kv_specs, rep),
                          out_specs=out_specs, check_vma=False)(params, kv, batch)

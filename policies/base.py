@@ -175,6 +175,17 @@ def option_bool(policy: str, key: str, value: Any) -> bool:
     return value
 
 
+def option_int(policy: str, key: str, value: Any, low: int, high: int | None = None) -> int:
+    """An integer option in [low, high] (no upper bound for None), or a clear error naming it
+    (not ``invalid literal for int()`` from deep inside the policy)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{policy} option {key} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{policy} option {key} must be {bound}, got {value}")
+    return int(value)
+
+
 def option_number(policy: str, key: str, value: Any, low: float = 0.0, high: float = math.inf,
                   low_open: bool = False) -> float:
     """A finite number option in [low, high] ((low, high] with ``low_open``), or a clear error."""

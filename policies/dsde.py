@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy, StepOutcome
+from policies.base import BatchView, DraftPlan, Policy, StepOutcome, option_int
 
 
 def weighted_variance(kls: Sequence[float], delta: float) -> float:
@@ -110,15 +110,6 @@ class _Sequence:
         self.last_mean = last_mean
 
 
-def _int_option(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return int(value)
-
-
 class DSDEPolicy(Policy):
     """Per-sequence ragged γ_i from KL stability (DSDE §III), capped by the batch mean.
 
@@ -136,16 +127,17 @@ class DSDEPolicy(Policy):
                  sl_min: int | None = None, delta: float = 0.85, short_window: int = 10,
                  long_window: int = 30, eps: float = 1e-6, batch_cap: bool = True):
         super().__init__(max_gamma)
-        self.warmup_steps = _int_option("warmup_steps", warmup_steps, 0)
-        self.warmup_gamma = _int_option(
-            "warmup_gamma", max_gamma if warmup_gamma is None else warmup_gamma, 0, max_gamma)
-        self.sl_min = _int_option("sl_min", min(2, max_gamma) if sl_min is None else sl_min,
-                                  0, max_gamma)
+        self.warmup_steps = option_int("dsde", "warmup_steps", warmup_steps, 0)
+        self.warmup_gamma = option_int(
+            "dsde", "warmup_gamma", max_gamma if warmup_gamma is None else warmup_gamma, 0,
+            max_gamma)
+        self.sl_min = option_int("dsde", "sl_min",
+                                 min(2, max_gamma) if sl_min is None else sl_min, 0, max_gamma)
         if not 0.0 < float(delta) <= 1.0:
             raise ValueError(f"delta must be in (0, 1], got {delta!r}")
         self.delta = float(delta)
-        self.short_window = _int_option("short_window", short_window, 1)
-        self.long_window = _int_option("long_window", long_window, self.short_window)
+        self.short_window = option_int("dsde", "short_window", short_window, 1)
+        self.long_window = option_int("dsde", "long_window", long_window, self.short_window)
         if not float(eps) > 0.0:
             raise ValueError(f"eps must be > 0, got {eps!r}")
         self.eps = float(eps)

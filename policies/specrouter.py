@@ -101,7 +101,7 @@ from typing import Any
 import numpy as np
 
 from policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket, judged_rows,
-                           option_bool, option_number)
+                           option_bool, option_int, option_number)
 
 TARGET = "target"  # the verifier of a chain's last draft level, in similarity keys
 _MAX_TRIES = 3  # plays of an unexplored chain per bucket before it stops being played first
@@ -152,13 +152,6 @@ def _finite_mean(values: np.ndarray | None) -> float | None:
     return float(a.mean()) if a.size else None
 
 
-def _int_option(policy: str, key: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{policy} option {key} must be an integer in [{low}, {high}], "
-                         f"got {value!r}")
-    return int(value)
-
-
 class SpecRouterPolicy(Policy):
     """Per step, the chain of pool models with the least predicted time per target token (see
     the module docstring)."""
@@ -178,16 +171,14 @@ class SpecRouterPolicy(Policy):
                                  f"max_gamma 0, got {window!r}")
             self.window = 0
         else:
-            self.window = _int_option(self.name, "window",
-                                      max_gamma if window is None else window, 1, max_gamma)
+            self.window = option_int(self.name, "window",
+                                     max_gamma if window is None else window, 1, max_gamma)
         self.time_ema = option_number(self.name, "time_ema", time_ema, 0.0, 1.0, low_open=True)
         self.sim_ema = option_number(self.name, "sim_ema", sim_ema, 0.0, 1.0, low_open=True)
         self.calibrate = option_bool(self.name, "calibrate", calibrate)
         self.explore = option_number(self.name, "explore", explore, 0.0, 1.0)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"{self.name} option seed must be an integer >= 0, got {seed!r}")
-        self.seed = seed
-        self.max_levels = _int_option(self.name, "max_levels", max_levels, 1, 2)
+        self.seed = option_int(self.name, "seed", seed, 0)
+        self.max_levels = option_int(self.name, "max_levels", max_levels, 1, 2)
         self._rng = np.random.default_rng(seed)
         self._reset()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy
+from policies.base import BatchView, DraftPlan, Policy, option_int
 
 
 class StaticPolicy(Policy):
@@ -16,8 +16,8 @@ class StaticPolicy(Policy):
 
     def __init__(self, max_gamma: int = 4, gamma: int | None = None, chain: str | None = None):
         super().__init__(max_gamma)
-        self.gamma = max_gamma if gamma is None else int(gamma)
-        if not 0 <= self.gamma <= max_gamma:
+        self.gamma = max_gamma if gamma is None else option_int("static", "gamma", gamma, 0)
+        if self.gamma > max_gamma:
             raise ValueError(f"gamma must be in [0, max_gamma={max_gamma}], got {gamma}")
         if chain is not None and (not isinstance(chain, str) or not chain.strip()):
             raise ValueError(f"static option chain must be pool model names joined by '>', "

@@ -83,6 +83,7 @@ def test_a_draft_whose_heads_do_not_divide_runs_replicated(report):
 @pytest.mark.slow
 def test_pallas_kernel_runs_per_device_under_shard_map(report):
     assert report["pallas_max_abs_diff"] < 1e-4
+    assert report["odd_vocab_max_abs_diff"] < 1e-4  # vocabulary 258 on 4 devices: replicated
 
 
 @pytest.mark.slow

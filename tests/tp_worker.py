@@ -37,9 +37,12 @@ def spec_of(array) -> str:
     return str(getattr(array.sharding, "spec", "single-device"))
 
 
-def pallas_under_shard_map() -> float:
-    """The Pallas attention kernel (interpret mode) inside the shard_mapped forward on 2
-    devices, against the single-device reference forward: max |logit difference|."""
+def pallas_under_shard_map(vocab: int = VOCAB, tp: int = 2, backend: str = "interpret"
+                           ) -> float:
+    """The shard_mapped forward on ``tp`` devices with the ``backend`` attention (the Pallas
+    kernel in interpret mode by default) against the single-device reference forward: max
+    |logit difference|. A vocabulary that ``tp`` does not divide keeps embedding and head
+    replicated."""
     import functools
 
     import jax.numpy as jnp
@@ -50,7 +53,7 @@ def pallas_under_shard_map() -> float:
     from pallas_kernels.backend import attention_fn
     from pallas_kernels.ragged_paged_attention import AttentionMetadata
 
-    cfg = tiny_config("qwen2", vocab_size=VOCAB, num_heads=8, num_kv_heads=4)
+    cfg = tiny_config("qwen2", vocab_size=vocab, num_heads=8, num_kv_heads=4)
     params = init_params(cfg, seed=3, std=0.2)
     i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
     # a 3-token prefill chunk and a 2-token verify window over 17 cached tokens, one padding
@@ -62,9 +65,9 @@ def pallas_under_shard_map() -> float:
     kv = KVCache.create(cfg, 4, 16, jnp.float32)
     kv = KVCache(kv.k.at[:, 2:4].set(0.5), kv.v.at[:, 2:4].set(-0.25))  # some cached context
     reference, _ = jax.jit(functools.partial(forward, cfg=cfg))(params, kv, batch)
-    mesh = sharding.make_mesh(2)
+    mesh = sharding.make_mesh(tp)
     sharded, _ = jax.jit(functools.partial(forward, cfg=cfg, mesh=mesh,
-                                           attention_fn=attention_fn("interpret")))(
+                                           attention_fn=attention_fn(backend)))(
         sharding.shard_params(params, cfg, mesh),
         jax.device_put(kv, NamedSharding(mesh, sharding.KV_SPEC)),
         sharding.replicate(batch, mesh))
@@ -126,6 +129,8 @@ def main() -> None:
                     if out.finished:
                         report["small_draft_tp4_tokens"] = list(out.token_ids)
     report["pallas_max_abs_diff"] = pallas_under_shard_map()
+    report["odd_vocab_max_abs_diff"] = pallas_under_shard_map(vocab=VOCAB + 2, tp=4,
+                                                              backend="reference")
     # `jspec bench model-step --tensor-parallel-size 2` (its tables go to stderr here)
     parser = argparse.ArgumentParser()
     model_step.add_arguments(parser)
