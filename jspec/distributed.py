@@ -67,11 +67,9 @@ def check_arguments(args: argparse.Namespace) -> bool:
     return True
 
 
-def initialize(args: argparse.Namespace) -> "StepSync | None":
-    """Join the processes (before anything starts JAX's backend) and check that the mesh will
-    cover every device of every process. None for a single-process run."""
-    if not check_arguments(args):
-        return None
+def initialize(args: argparse.Namespace) -> "StepSync":
+    """Join the processes (before anything starts JAX's backend; ``args`` passed
+    ``check_arguments``) and check that the mesh will cover every device of every process."""
     import jax
 
     jax.distributed.initialize(coordinator_address=args.coordinator_address,

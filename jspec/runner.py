@@ -174,15 +174,9 @@ class ModelRunner:
         self.compile_seconds = 0.0
 
     def _new_kv(self, cfg: ModelConfig, num_blocks: int, spec) -> KVCache:
-        """An empty KV pool; on a mesh, created in place by ``spec`` (each device allocates its
-        own share, nothing passes through one device)."""
-        if self.mesh is None:
-            return KVCache.create(cfg, num_blocks, self.rc.engine.block_size, self.kv_dtype)
-        shape = (cfg.num_layers, num_blocks, self.rc.engine.block_size, cfg.num_kv_heads,
-                 cfg.head_dim)
-        where = NamedSharding(self.mesh, spec)
-        return KVCache(jnp.zeros(shape, self.kv_dtype, device=where),
-                       jnp.zeros(shape, self.kv_dtype, device=where))
+        """An empty KV pool; on a mesh, placed by ``spec``."""
+        where = None if self.mesh is None else NamedSharding(self.mesh, spec)
+        return KVCache.create(cfg, num_blocks, self.rc.engine.block_size, self.kv_dtype, where)
 
     def _sds(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
         """An input's abstract value: replicated over the mesh when there is one."""

@@ -53,9 +53,12 @@ class KVCache:
         return len(segments.segments(self.k))
 
     @classmethod
-    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> "KVCache":
+    def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
+               device=None) -> "KVCache":
+        """An empty pool; ``device``: where it lives (a ``NamedSharding`` on a tensor-parallel
+        mesh creates each device's share in place, nothing passes through one device)."""
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return cls(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:

@@ -143,16 +143,15 @@ class ForwardTimer:
         self.kv_bytes_per_device = 0
 
     def __call__(self, batch_size: int, query_len: int, context: int) -> float:
-        import jax
         from jax.sharding import NamedSharding
 
         from models import sharding
         from models.transformer import KVCache
 
         batch, num_blocks = make_batch(batch_size, query_len, context, self.block_size)
-        kv = KVCache.create(self.cfg, num_blocks, self.block_size, self.kv_dtype)
+        where = None if self.mesh is None else NamedSharding(self.mesh, self.kv_spec)
+        kv = KVCache.create(self.cfg, num_blocks, self.block_size, self.kv_dtype, where)
         if self.mesh is not None:
-            kv = jax.device_put(kv, NamedSharding(self.mesh, self.kv_spec))
             batch = sharding.replicate(batch, self.mesh)
         self.kv_bytes_per_device = max(self.kv_bytes_per_device, sharding.bytes_per_device(kv))
         state = {"kv": kv}
