@@ -84,7 +84,8 @@ class OpenAIApp:
         self._shutdown_abort = False
         self.metrics = ServerMetrics(engine=lambda: self.engine,
                                      in_flight=lambda: len(self._in_flight),
-                                     ready=lambda: self.status == "ready")
+                                     ready=lambda: self.status == "ready",
+                                     model_name=options.model_name)
         self.app = web.Application(middlewares=[self._middleware])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -346,7 +347,7 @@ class OpenAIApp:
             tracker = self._in_flight.pop(rid, None)
             if tracker is not None and tracker.submitted and not tracker.done:
                 # the handler ended while the engine was generating: the client went away
-                self.metrics.finished.labels("disconnect").inc()
+                self.metrics.finished("disconnect")
         if not self._in_flight:
             self._idle.set()
 
@@ -358,20 +359,19 @@ class OpenAIApp:
         now = time.perf_counter()
         new_tokens = out.num_tokens - tracker.tokens
         if new_tokens > 0:
-            self.metrics.generation_tokens.inc(new_tokens)
+            self.metrics.generated(new_tokens)
             tracker.tokens = out.num_tokens
             if tracker.first_token is None:
                 tracker.first_token = now
-                self.metrics.ttft.observe(now - tracker.start)
-                self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.metrics.first_token(now - tracker.start, len(out.prompt_token_ids))
         if out.finished:
             tracker.done = True
-            self.metrics.finished.labels(out.finish_reason).inc()
-            if out.finish_reason != "abort":
-                self.metrics.e2e.observe(now - tracker.start)
-                if tracker.first_token is not None and out.num_tokens > 1:
-                    self.metrics.tpot.observe((now - tracker.first_token)
-                                              / (out.num_tokens - 1))
+            aborted = out.finish_reason == "abort"
+            tpot = None
+            if not aborted and tracker.first_token is not None and out.num_tokens > 1:
+                tpot = (now - tracker.first_token) / (out.num_tokens - 1)
+            self.metrics.finished(out.finish_reason, len(out.prompt_token_ids), out.num_tokens,
+                                  e2e=None if aborted else now - tracker.start, tpot=tpot)
 
     async def _outputs(self, inputs, params, ids) -> AsyncIterator[tuple[int, object]]:
         """(prompt index, RequestOutput) from every prompt's stream, as they come. Closing this
@@ -497,7 +497,7 @@ class OpenAIApp:
             tracker = self._in_flight.get(rid)
             if tracker is not None and not tracker.done:
                 tracker.done = True
-                self.metrics.finished.labels("error").inc()
+                self.metrics.finished("error")
 
 
 def _error_response(error: APIError) -> web.Response:

@@ -18,6 +18,13 @@ Three kinds of series:
   ``AsyncLLMEngine.stats()`` at scrape time by a custom collector.
 
 Counters that only grow are exported as Prometheus counters (``_total``).
+
+Beside the ``jspec_`` series, the ones vLLM's dashboards read are exported under vLLM's names
+(``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, ``vllm:time_to_first_token_seconds``,
+``vllm:spec_decode_num_accepted_tokens_per_pos``, ...; ``VLLM_METRICS`` lists them) with vLLM's
+``model_name`` and ``engine`` labels, so a Grafana board or alert built for vLLM works unchanged.
+They are kept beside, not instead: the ``jspec_`` families carry what vLLM has no name for (γ
+chosen, chains, draft residency, policy time, step stages).
 """
 
 from __future__ import annotations
@@ -45,6 +52,18 @@ STEP_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                      2.5, 5.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # policies.base.batch_bucket's
 STEP_TOKENS_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_TOKENS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+# the vLLM-named families (without the ``_total`` a counter's samples gain)
+VLLM_METRICS = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens",
+    "vllm:request_success", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+    "vllm:iteration_tokens_total", "vllm:time_to_first_token_seconds",
+    "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+VLLM_LABELS = ("model_name", "engine")  # engine: vLLM's data-parallel engine index, here "0"
 
 
 class ServerMetrics:
@@ -53,15 +72,16 @@ class ServerMetrics:
     recording the engine's steps, ``detach`` stops."""
 
     def __init__(self, engine: Callable[[], object | None], in_flight: Callable[[], int],
-                 ready: Callable[[], bool]):
+                 ready: Callable[[], bool], model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._vllm_labels = (model_name, "0")
         # -- per request, on the event loop
         self.requests = Counter("jspec_http_requests", "HTTP requests answered, by endpoint and "
                                 "status code", ["endpoint", "code"], registry=r)
-        self.finished = Counter("jspec_request_finished", "Generation requests ended, by reason "
-                                "(stop, length, abort, disconnect, error)", ["reason"],
-                                registry=r)
+        self.finished_reasons = Counter(
+            "jspec_request_finished", "Generation requests ended, by reason (stop, length, "
+            "abort, disconnect, error)", ["reason"], registry=r)
         self.rejected = Counter("jspec_requests_rejected_queue_full", "Requests refused with 503 "
                                 "because the waiting queue was full", registry=r)
         self.ttft = Histogram("jspec_time_to_first_token_seconds", "Time from receiving a "
@@ -116,8 +136,9 @@ class ServerMetrics:
         self.gamma_last_step = Gauge("jspec_spec_decode_gamma_last_step", "Mean γ the policy "
                                      "chose for the decoding sequences of the latest step",
                                      registry=r)
+        self._vllm_families(r)
         # -- the engine's load and its other counters, read at scrape time
-        r.register(_EngineCollector(engine, in_flight, ready))
+        r.register(_EngineCollector(engine, in_flight, ready, self._vllm_labels))
         self._engine = None  # the AsyncLLMEngine whose steps are recorded
         self._max_gamma = 0
         self._per_pos: list = []  # label children, looked up once
@@ -129,6 +150,76 @@ class ServerMetrics:
         self._chains: dict[tuple, object] = {}
         self._step_error_logged = False
 
+    def _vllm_families(self, r: CollectorRegistry) -> None:
+        """vLLM's names for what the server and the step records observe; one label child each
+        (model, engine), bound once."""
+        def bind(kind, name, doc, labels=(), **kw):
+            metric = kind(name, doc, list(VLLM_LABELS) + list(labels), registry=r, **kw)
+            return metric if labels else metric.labels(*self._vllm_labels)
+
+        self.vllm_prompt_tokens = bind(Counter, "vllm:prompt_tokens", "Number of prefill "
+                                       "tokens processed")
+        self.vllm_generation_tokens = bind(Counter, "vllm:generation_tokens", "Number of "
+                                           "generation tokens processed")
+        self.vllm_request_success = bind(Counter, "vllm:request_success", "Count of "
+                                         "successfully processed requests",
+                                         ("finished_reason",))
+        self.vllm_request_prompt_tokens = bind(
+            Histogram, "vllm:request_prompt_tokens", "Number of prefill tokens processed, per "
+            "request", buckets=REQUEST_TOKENS_BUCKETS)
+        self.vllm_request_generation_tokens = bind(
+            Histogram, "vllm:request_generation_tokens", "Number of generation tokens "
+            "processed, per request", buckets=REQUEST_TOKENS_BUCKETS)
+        self.vllm_iteration_tokens = bind(Histogram, "vllm:iteration_tokens_total", "Number of "
+                                          "tokens per engine step", buckets=STEP_TOKENS_BUCKETS)
+        self.vllm_ttft = bind(Histogram, "vllm:time_to_first_token_seconds", "Histogram of "
+                              "time to first token in seconds", buckets=TTFT_BUCKETS)
+        self.vllm_tpot = bind(Histogram, "vllm:time_per_output_token_seconds", "Histogram of "
+                              "time per output token in seconds", buckets=TPOT_BUCKETS)
+        self.vllm_e2e = bind(Histogram, "vllm:e2e_request_latency_seconds", "Histogram of "
+                             "end to end request latency in seconds", buckets=E2E_BUCKETS)
+        self.vllm_spec_drafts = bind(Counter, "vllm:spec_decode_num_drafts", "Number of spec "
+                                     "decoding drafts")
+        self.vllm_spec_draft_tokens = bind(Counter, "vllm:spec_decode_num_draft_tokens",
+                                           "Number of draft tokens")
+        self.vllm_spec_accepted_tokens = bind(Counter, "vllm:spec_decode_num_accepted_tokens",
+                                              "Number of accepted tokens")
+        self.vllm_spec_accepted_per_pos = bind(
+            Counter, "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per "
+            "draft position", ("position",))
+
+    # ------------------------------------------------------------------ per request
+    def generated(self, num_tokens: int) -> None:
+        """``num_tokens`` more tokens generated for some request."""
+        self.generation_tokens.inc(num_tokens)
+        self.vllm_generation_tokens.inc(num_tokens)
+
+    def first_token(self, seconds: float, num_prompt_tokens: int) -> None:
+        """A request's first token came ``seconds`` after the request."""
+        self.ttft.observe(seconds)
+        self.vllm_ttft.observe(seconds)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.vllm_prompt_tokens.inc(num_prompt_tokens)
+
+    def finished(self, reason: str, num_prompt_tokens: int | None = None,
+                 num_generated: int = 0, e2e: float | None = None,
+                 tpot: float | None = None) -> None:
+        """A request ended: ``reason`` is the engine's finish reason or the server's
+        (``disconnect``, ``error``); the token counts when the engine's last output says them."""
+        self.finished_reasons.labels(reason).inc()
+        # vLLM counts a client that went away as an abort
+        vllm_reason = "abort" if reason == "disconnect" else reason
+        self.vllm_request_success.labels(*self._vllm_labels, vllm_reason).inc()
+        if num_prompt_tokens is not None:
+            self.vllm_request_prompt_tokens.observe(num_prompt_tokens)
+            self.vllm_request_generation_tokens.observe(num_generated)
+        if e2e is not None:
+            self.e2e.observe(e2e)
+            self.vllm_e2e.observe(e2e)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+            self.vllm_tpot.observe(tpot)
+
     # ------------------------------------------------------------------ the step listener
     def attach(self, engine) -> None:
         """Record every step of ``engine`` (an AsyncLLMEngine) from now on; the labelled series
@@ -138,7 +229,9 @@ class ServerMetrics:
         self.detach()
         limits = engine.limits
         self._max_gamma = g = limits.max_gamma
-        self._per_pos = [self.spec_accepted_per_pos.labels(str(p)) for p in range(g)]
+        self._per_pos = [(self.spec_accepted_per_pos.labels(str(p)),
+                          self.vllm_spec_accepted_per_pos.labels(*self._vllm_labels, str(p)))
+                         for p in range(g)]
         self._gamma = [self.spec_gamma.labels(str(k)) for k in range(g + 1)]
         self._by_gamma_bucket = {b: self.steps_by_gamma_bucket.labels(str(b))
                                  for b in limits.gamma_buckets}
@@ -169,6 +262,7 @@ class ServerMetrics:
         self.step_time.observe(o.step_time)
         self.step_batch_size.observe(o.batch_size)
         self.step_tokens.observe(o.num_tokens)
+        self.vllm_iteration_tokens.observe(o.num_tokens)
         self._child(self._by_gamma_bucket, o.gamma_bucket, self.steps_by_gamma_bucket,
                     str(o.gamma_bucket)).inc()
         for stage, seconds in o.stage_times.items():
@@ -201,15 +295,20 @@ class ServerMetrics:
         if not drafting.any():
             return
         accepted = o.num_accepted[drafting]
-        self.spec_drafts.inc(int(drafting.sum()))
-        self.spec_draft_tokens.inc(int(o.num_verified.sum()))
-        self.spec_accepted_tokens.inc(int(accepted.sum()))
-        self.spec_emitted_tokens.inc(int(o.num_emitted[drafting].sum()))
+        for counters, value in (((self.spec_drafts, self.vllm_spec_drafts), drafting.sum()),
+                                ((self.spec_draft_tokens, self.vllm_spec_draft_tokens),
+                                 o.num_verified.sum()),
+                                ((self.spec_accepted_tokens, self.vllm_spec_accepted_tokens),
+                                 accepted.sum()),
+                                ((self.spec_emitted_tokens,), o.num_emitted[drafting].sum())):
+            for counter in counters:
+                counter.inc(int(value))
         # position p counts the drafts that accepted more than p tokens
         per_pos = (accepted[:, None] > np.arange(g)[None, :]).sum(axis=0).tolist()
         for p, count in enumerate(per_pos):
             if count:
-                self._per_pos[p].inc(count)
+                for counter in self._per_pos[p]:
+                    counter.inc(count)
 
     @staticmethod
     def _child(cache: dict, key, metric, label: str):
@@ -220,8 +319,9 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    def __init__(self, engine, in_flight, ready):
+    def __init__(self, engine, in_flight, ready, vllm_labels):
         self._engine, self._in_flight, self._ready = engine, in_flight, ready
+        self._vllm_labels = list(vllm_labels)
 
     def describe(self):
         return []  # families depend on the engine; collected only at scrape time
@@ -253,6 +353,18 @@ class _EngineCollector:
             parts.add_metric([part], value)
         yield parts
         m = stats.metrics
+        for family, name, doc, value in (
+                (GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model "
+                 "execution batches", stats.num_running),
+                (GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting "
+                 "to be processed", stats.num_waiting),
+                (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 "
+                 "percent usage.", stats.kv_blocks_used / max(1, stats.kv_blocks_total)),
+                (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption "
+                 "from the engine.", m["num_preemptions"])):
+            metric = family(name, doc, labels=VLLM_LABELS)
+            metric.add_metric(self._vllm_labels, value)
+            yield metric
         for name, doc, value in (
                 ("jspec_engine_preemptions", "Sequences preempted for KV memory",
                  m["num_preemptions"]),

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import LLM_KW, llm_cli_args
 from jspec.sampling_params import SamplingParams
+from serve.metrics import VLLM_METRICS
 from serve_helpers import MODEL, TIMEOUT, http, start_server, wait_idle
 
 API_KEY = "test-key"
@@ -320,6 +321,39 @@ def test_metrics_exposition(server, client):
     assert m['jspec_http_requests_total{code="200",endpoint="/v1/completions"}'] >= 1
     assert m['jspec_request_finished_total{reason="length"}'] >= 1
     assert m["jspec_num_requests_waiting"] == 0 and m["jspec_num_requests_running"] == 0
+
+
+def test_vllm_metric_names(server, client):
+    """The series vLLM's dashboards read, under vLLM's names and labels, agree with jspec's."""
+    client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    m = wait_idle(server.url)
+    engine = f'engine="0",model_name="{MODEL}"'
+    names = {k.split("{")[0] for k in m if k.startswith("vllm:")}
+    for family in VLLM_METRICS:
+        assert any(n == family or n.startswith(family + "_") for n in names), family
+    assert m[f"vllm:num_requests_running{{{engine}}}"] == 0
+    assert m[f"vllm:num_requests_waiting{{{engine}}}"] == 0
+    assert m[f"vllm:kv_cache_usage_perc{{{engine}}}"] == 0.0
+    for vllm, jspec in (("spec_decode_num_drafts_total", "spec_decode_num_drafts_total"),
+                        ("spec_decode_num_draft_tokens_total",
+                         "spec_decode_num_draft_tokens_total"),
+                        ("spec_decode_num_accepted_tokens_total",
+                         "spec_decode_num_accepted_tokens_total"),
+                        ("generation_tokens_total", "generation_tokens_total"),
+                        ("prompt_tokens_total", "prompt_tokens_total"),
+                        ("time_to_first_token_seconds_count", "time_to_first_token_seconds_count"),
+                        ("e2e_request_latency_seconds_count", "e2e_request_latency_seconds_count"),
+                        ("iteration_tokens_total_count", "engine_step_tokens_count")):
+        assert m[f"vllm:{vllm}{{{engine}}}"] == m[f"jspec_{jspec}"], vllm
+    assert m[f"vllm:spec_decode_num_draft_tokens_total{{{engine}}}"] > 0
+    for p in range(LLM_KW["num_speculative_tokens"]):
+        name = "spec_decode_num_accepted_tokens_per_pos_total"
+        assert (m[f'vllm:{name}{{{engine},position="{p}"}}']
+                == m[f'jspec_{name}{{position="{p}"}}'])
+    assert m[f'vllm:request_success_total{{engine="0",finished_reason="length",'
+             f'model_name="{MODEL}"}}'] >= 1
+    assert m[f"vllm:request_generation_tokens_sum{{{engine}}}"] >= 6
 
 
 def test_step_metrics_come_from_every_step(server, client):
