@@ -15,7 +15,7 @@ from typing import Any, Callable
 ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                         "min_token_bucket", "kernel_backend", "elastic_memory",
                         "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout",
-                        "tensor_parallel_size")
+                        "tensor_parallel_size", "max_logprobs")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +67,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
                         help="KV pool size in blocks (default: max-num-seqs full sequences)")
     engine.add_argument("--min-token-bucket", type=int, default=None,
                         help="smallest token-count shape bucket (default: 8)")
+    engine.add_argument("--max-logprobs", type=int, default=None, metavar="K",
+                        help="the most top log-probabilities a request may ask for (default 20; "
+                             "0 compiles nothing for them and refuses such requests)")
     engine.add_argument("--kernel-backend", choices=["auto", "pallas", "interpret", "reference"],
                         default=None,
                         help="attention / KV-migration kernels: auto = Pallas on a GPU where they "

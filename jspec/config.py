@@ -50,6 +50,10 @@ class EngineConfig:
     # devices the target is split over (models/sharding.py: Megatron tensor parallelism over a
     # 1-D mesh of the first N of jax.devices(); the drafts are replicated). vLLM's name.
     tensor_parallel_size: int = 1
+    # the most top log-probabilities a request may ask for (SamplingParams.logprobs); vLLM's
+    # name and default. A step computes them only when one of its requests asked; 0 compiles
+    # nothing for them and refuses such requests.
+    max_logprobs: int = 20
 
     def __post_init__(self):
         def positive(name):
@@ -69,6 +73,9 @@ class EngineConfig:
         if self.kernel_backend not in ("auto", "pallas", "interpret", "reference"):
             raise ValueError(f"kernel_backend must be 'auto', 'pallas', 'interpret' or "
                              f"'reference', got {self.kernel_backend!r}")
+        m = self.max_logprobs
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {m!r}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")

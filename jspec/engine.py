@@ -25,7 +25,7 @@ from jspec.elastic import DraftState, ElasticMemory, extension_blocks, tree_byte
 from jspec.engine_info import EngineLimits, EngineStats
 from jspec.jsonfile import read_json
 from jspec.metrics import EngineMetrics
-from jspec.outputs import RequestOutput, SpecStats
+from jspec.outputs import Logprob, RequestOutput, SpecStats
 from jspec.platform import device_free_bytes
 from jspec.runner import LoadedModel, ModelRunner
 from jspec.sampling_params import SamplingParams
@@ -50,6 +50,9 @@ class _Request:
     finish_time: float | None = None
     last_text_len: int = 0
     last_num_tokens: int = 0
+    # per output token {token id: Logprob} when the request asked for logprobs (append-only,
+    # shared with its RequestOutputs like the token list)
+    logprobs: list | None = None
 
 
 def _draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
@@ -180,6 +183,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
         self._requests: dict[str, _Request] = {}
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, per token id
         self._arrivals = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._pending_outputs: list[RequestOutput] = []
@@ -252,6 +256,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if sampling_params.logprobs is not None:
+            self._check_logprobs(sampling_params.logprobs)
         limit = self.rc.max_model_len
         if len(token_ids) >= limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limit} "
@@ -261,6 +267,18 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(token_ids)} tokens but the KV cache holds only "
                              f"{capacity} token slots")
         return token_ids
+
+    def _check_logprobs(self, k: int) -> None:
+        if self.config.synthetic_acceptance is not None:
+            raise ValueError("logprobs are not available with synthetic_acceptance: the "
+                             "emitted tokens are drawn from an acceptance model, not sampled")
+        limit = self.runner.logprobs_width
+        if not limit:
+            raise ValueError(f"logprobs are off in this engine (max_logprobs=0); build it with "
+                             f"max_logprobs={max(k, 1)} (--max-logprobs {max(k, 1)})")
+        if k > limit:
+            raise ValueError(f"logprobs={k} is more than this engine returns (at most {limit}); "
+                             f"build it with max_logprobs={k} (--max-logprobs {k})")
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None,
@@ -283,7 +301,7 @@ class LLMEngine:
         self._requests[request_id] = _Request(
             seq=seq, prompt=prompt if isinstance(prompt, str) else None,
             detok=IncrementalDetokenizer(self.tokenizer), max_tokens=max_tokens,
-            arrival_time=now)
+            arrival_time=now, logprobs=None if sampling_params.logprobs is None else [])
         self.scheduler.add(seq)
         if self.sync is not None and self.sync.leader:
             self._events.append(("add", request_id, token_ids, sampling_params))
@@ -371,20 +389,23 @@ class LLMEngine:
         if result is None:
             result = self.runner.run_accept(logits, st.draft_logits, st.draft_tokens,
                                             st.num_drafted, st.sampling, st.gamma)
-        clock.lap("accept", result)
+        # only when a request asked: a step without such requests runs nothing for them
+        logprobs = (self.runner.run_logprobs(logits, result.tokens, st.gamma)
+                    if st.wants_logprobs else None)
+        clock.lap("accept", result, logprobs)
         signals = (self.runner.run_signals(logits, st.draft_logits, st.draft_tokens, st.gamma)
                    if st.gamma and self.runner.signals else None)
         clock.lap("signals", signals)
         # the step's one host<-device transfer of results (a stage of the commit; it also
         # waits for whatever device work is still running, so it counts as verify time)
         t_fetch = time.perf_counter()
-        result, signals, drafted = self.runner.fetch(result, signals, st.num_drafted,
-                                                     st.draft_tokens, st.row_gammas())
+        result, signals, drafted, logprobs = self.runner.fetch(
+            result, signals, st.num_drafted, st.draft_tokens, st.row_gammas(), logprobs)
         if st.intermediate is not None:  # done by now: the transfer above waited for it
             st.first_drafted, st.intermediate = jax.device_get((st.first_drafted,
                                                                 st.intermediate))
         st.fetch_time = time.perf_counter() - t_fetch
-        outputs += self._commit(st, result, drafted)
+        outputs += self._commit(st, result, drafted, logprobs)
         clock.lap("commit")
         self._observe(st, result, signals, drafted, clock)
         if self.elastic is not None and not self.scheduler.has_unfinished():
@@ -680,7 +701,7 @@ class LLMEngine:
             intermediate_accepted=inter_accepted, intermediate_accept_prob=inter_prob)
 
     # ------------------------------------------------------------------ commit
-    def _commit(self, st: StepState, result, drafted) -> list[RequestOutput]:
+    def _commit(self, st: StepState, result, drafted, logprobs) -> list[RequestOutput]:
         outputs = []
         now = time.perf_counter()
         # Python lists: indexing them per row is several times cheaper than numpy scalars
@@ -732,6 +753,8 @@ class LLMEngine:
                 if status is not None:
                     break
             self.metrics.num_generated_tokens += row.num_emitted
+            if logprobs is not None and seq.sampling_params.logprobs is not None:
+                self._add_logprobs(req, logprobs, i, row.num_emitted)
             if status is not None:
                 seq.status = status
                 self.scheduler.finish(seq, status)
@@ -743,6 +766,29 @@ class LLMEngine:
                 if self.stream_outputs:
                     outputs.append(self._output(req))
         return outputs
+
+    def _add_logprobs(self, req: _Request, logprobs, row: int, count: int) -> None:
+        """vLLM's per-token ``{token id: Logprob}``: the request's top ``logprobs`` tokens at
+        each of the ``count`` places row ``row`` emitted, and the emitted token itself."""
+        k = req.seq.sampling_params.logprobs
+        tokens = req.seq.output_token_ids[-count:]
+        chosen = logprobs.logprob[row, :count].tolist()
+        ranks = logprobs.rank[row, :count].tolist()
+        top_ids = logprobs.top_ids[row, :count, :k].tolist()
+        top_lps = logprobs.top_logprobs[row, :count, :k].tolist()
+        for j, token in enumerate(tokens):
+            entry = {t: Logprob(lp, r + 1, self._token_text(t))
+                     for r, (t, lp) in enumerate(zip(top_ids[j], top_lps[j]))}
+            if token not in entry:
+                entry[token] = Logprob(chosen[j], ranks[j], self._token_text(token))
+            req.logprobs.append(entry)
+
+    def _token_text(self, token: int) -> str | None:
+        """One token's text (cached: a request asking for 20 logprobs names 21 tokens a step)."""
+        text = self._token_texts.get(token)
+        if text is None and self.tokenizer is not None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _append(self, req: _Request, token: int) -> SequenceStatus | None:
         seq = req.seq
@@ -790,6 +836,7 @@ class LLMEngine:
             spec=SpecStats(seq.num_drafted, seq.num_accepted, seq.num_spec_steps, seq.num_steps),
             metrics={"arrival_time": req.arrival_time, "first_token_time": seq.first_token_time,
                      "finish_time": req.finish_time},
+            logprob_source=req.logprobs,
         )
 
     # ------------------------------------------------------------------ accessors (serve/, bench)
@@ -812,7 +859,9 @@ class LLMEngine:
                 vocab_size=self.target.cfg.vocab_size, has_draft=self.draft is not None,
                 policy=self.policy.name, max_gamma=self.max_gamma,
                 gamma_buckets=tuple(self.gamma_buckets),
-                draft_pool=self.pool_names if self.runner.pool else ())
+                draft_pool=self.pool_names if self.runner.pool else (),
+                max_logprobs=(self.runner.logprobs_width
+                              if self.config.synthetic_acceptance is None else 0))
         return limits
 
     def stats(self) -> EngineStats:

@@ -37,6 +37,8 @@ class EngineLimits:
     # elastic memory: blocks the pool gains while the draft is offloaded (0 without it); a
     # request must fit in num_kv_blocks, the extension is extra room for the batch
     num_kv_extension_blocks: int = 0
+    # the most top log-probabilities a request may ask for (0: none, not even the token's own)
+    max_logprobs: int = 0
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -27,6 +27,16 @@ class SpecStats:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log-probability under the target's raw distribution (vLLM's fields): its
+    ``rank`` in that distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """One request's state after a step. ``text``/``token_ids`` are cumulative; ``delta_text`` /
     ``delta_token_ids`` are what this step added (for streaming)."""
@@ -46,10 +56,25 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     spec: SpecStats
     metrics: dict = dataclasses.field(default_factory=dict)  # arrival, first token, finish times
+    # per output token {token id: Logprob} (the request's top ``logprobs`` and the emitted
+    # token), shared and sliced like ``token_source``; None unless the request asked
+    logprob_source: list | None = dataclasses.field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
         return self.token_source[:self.num_tokens]
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        """vLLM's ``CompletionOutput.logprobs``: one dict per output token."""
+        return None if self.logprob_source is None else self.logprob_source[:self.num_tokens]
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The summed log-probability of the output tokens (None without logprobs)."""
+        if self.logprob_source is None:
+            return None
+        return sum(entry[t].logprob for entry, t in zip(self.logprobs, self.token_ids))
 
     # vLLM-style accessors so code written for vLLM reads naturally
     @property

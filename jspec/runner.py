@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding
 
 from jspec import device_steps
 from jspec.config import ResolvedConfig, resolve_elastic_pool_layout
-from jspec.sampler import (SamplingTensors, VerifyResult, rejection_sample, sample_tokens,
-                           verify_signals)
+from jspec.sampler import (SamplingTensors, TokenLogprobs, VerifyResult, rejection_sample,
+                           sample_tokens, token_logprobs, verify_signals)
 from models import sharding
 from models.config import ModelConfig
 from models.transformer import KVCache, ModelInput, forward
@@ -368,6 +368,25 @@ class ModelRunner:
         return self._executable(("accept", num_seqs, gamma, self.target.cfg.vocab_size), None,
                                 build)
 
+    @property
+    def logprobs_width(self) -> int:
+        """K of the top-K log-probabilities a step can return (0: none; EngineConfig's
+        max_logprobs, at most the vocabulary)."""
+        return min(self.rc.engine.max_logprobs, self.target.cfg.vocab_size)
+
+    def logprobs_executable(self, num_seqs: int, gamma: int):
+        """Log-probabilities of a step's emitted tokens (sampler.token_logprobs); run only on
+        steps where some request asked for them."""
+        def build():
+            vocab = self.target.cfg.vocab_size
+            fn = functools.partial(token_logprobs, k=max(1, self.logprobs_width))
+            specs = (self._sds((num_seqs * (gamma + 1), vocab), jnp.float32),
+                     self._sds((num_seqs, gamma + 1), jnp.int32))
+            return self._compile(fn, specs)
+
+        return self._executable(("logprobs", num_seqs, gamma, self.target.cfg.vocab_size,
+                                 self.logprobs_width), None, build)
+
     def signals_executable(self, num_seqs: int, gamma: int):
         """The policy's per-position signals (only built when it reads some)."""
         def build():
@@ -491,12 +510,15 @@ class ModelRunner:
         return self.signals_executable(draft_tokens.shape[0], gamma)(logits, draft_logits,
                                                                      draft_tokens)
 
+    def run_logprobs(self, logits, tokens, gamma: int) -> TokenLogprobs:
+        return self.logprobs_executable(tokens.shape[0], gamma)(logits, tokens)
+
     def fetch(self, result: VerifyResult, signals: dict | None, num_drafted, draft_tokens,
-              gammas: np.ndarray):
-        """The step's one host<-device transfer: (VerifyResult, signals, num_drafted) as numpy.
-        ``draft_tokens`` and ``gammas`` (planned draft length per row) are for wrappers that
-        rewrite acceptance (jspec.synthetic.SyntheticAcceptanceRunner)."""
-        return jax.device_get((result, signals, num_drafted))
+              gammas: np.ndarray, logprobs: TokenLogprobs | None = None):
+        """The step's one host<-device transfer: (VerifyResult, signals, num_drafted, logprobs)
+        as numpy. ``draft_tokens`` and ``gammas`` (planned draft length per row) are for
+        wrappers that rewrite acceptance (jspec.synthetic.SyntheticAcceptanceRunner)."""
+        return jax.device_get((result, signals, num_drafted, logprobs))
 
     def _check_draft_resident(self) -> None:
         if not self.draft_resident:
@@ -691,6 +713,8 @@ class ModelRunner:
             plan += [("intermediate", s, g, m) for g in drafting for m in self.intermediates]
             if self.signals:
                 plan += [("signals", s, g) for g in drafting]
+            if self.logprobs_width:
+                plan += [("logprobs", s, g) for g in gammas]
         # prefill next to a drafting sequence needs two sequences at least
         mixed = gammas if rc.engine.max_num_seqs >= 2 else [0]
         plan += [("verify", t, widest, g) for g in mixed for t in rc.token_buckets]

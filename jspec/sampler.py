@@ -162,6 +162,33 @@ def verify_signals(target_logits: jax.Array, draft_logits: jax.Array, draft_toke
     return out
 
 
+@array_dataclass
+class TokenLogprobs:
+    """Log-probabilities of a step's emitted tokens under the target's raw distribution (the
+    model's softmax at temperature 1, before top-k/top-p: what vLLM returns by default), laid out
+    like ``VerifyResult.tokens`` [S, G+1]: ``logprob`` and ``rank`` (1 = the most likely token)
+    of the token at each place, and the ``top_ids`` / ``top_logprobs`` [S, G+1, K] of the K most
+    likely tokens there."""
+
+    logprob: jax.Array
+    rank: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> TokenLogprobs:
+    """``logits`` [S*(G+1), V] as the verify laid them out (row i's G+1 positions together),
+    ``tokens`` [S, G+1] the step's VerifyResult.tokens; K = ``k`` >= 1 (a static width: callers
+    slice each request's own count on the host)."""
+    num_seqs, width = tokens.shape
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = logp.reshape(num_seqs, width, -1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)
+    rank = 1 + jnp.sum(logp > chosen, axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logp, k)
+    return TokenLogprobs(chosen[..., 0], rank, top_ids.astype(jnp.int32), top_logprobs)
+
+
 def sample_tokens(logits: jax.Array, st: SamplingTensors) -> VerifyResult:
     """Plain decoding (γ = 0 for every row): one token per row from logits [S, V]. Draws what
     ``rejection_sample`` would with no drafts (the bonus token, from the same random stream),

@@ -25,6 +25,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top log-probabilities per output token (0: the token's own)
     # vLLM's options that jspec does not implement: accepted only at the value that changes
     # nothing, so vLLM code runs unchanged until it asks for one (_UNSUPPORTED says why)
     n: int = 1
@@ -33,7 +34,6 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
-    logprobs: int | None = None
     prompt_logprobs: int | None = None
 
     def __post_init__(self):
@@ -61,6 +61,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables), got {self.top_k!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or isinstance(self.logprobs, bool) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**32):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
@@ -87,8 +90,8 @@ _UNSUPPORTED = {
     "frequency_penalty": ((0,), _EXACT),
     "repetition_penalty": ((1,), _EXACT),
     "min_p": ((0,), "the filters implemented are top_k and top_p"),
-    "logprobs": ((None,), "log-probabilities are not returned yet"),
-    "prompt_logprobs": ((None,), "log-probabilities are not returned yet"),
+    "prompt_logprobs": ((None,), "log-probabilities of prompt tokens are not returned (those "
+                        "of generated tokens are: logprobs)"),
 }
 
 

@@ -44,6 +44,11 @@ class StepState:
     num_tokens: int = 0  # target tokens in the verify batch
 
     @property
+    def wants_logprobs(self) -> bool:
+        """Whether a row that samples this step belongs to a request that asked for logprobs."""
+        return any(r.samples and r.seq.sampling_params.logprobs is not None for r in self.rows)
+
+    @property
     def has_prefill(self) -> bool:
         return len(self.decode_idx) < len(self.rows)
 

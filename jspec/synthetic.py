@@ -236,15 +236,17 @@ def synthetic_runner(runner_cls, acceptance: SyntheticAcceptance):
     (benchmarking only; keeps the acceptance model out of the engine's step)."""
 
     class SyntheticAcceptanceRunner(runner_cls):
-        def fetch(self, result, signals, num_drafted, draft_tokens, gammas):
-            result, signals, drafted = super().fetch(result, signals, num_drafted, draft_tokens,
-                                                     gammas)
+        def fetch(self, result, signals, num_drafted, draft_tokens, gammas, logprobs=None):
+            # the engine refuses logprobs with synthetic acceptance: the tokens rewritten here
+            # are not the ones the log-probabilities were computed for
+            result, signals, drafted, logprobs = super().fetch(
+                result, signals, num_drafted, draft_tokens, gammas, logprobs)
             if draft_tokens is not None:
                 import jax
 
                 result = self.acceptance.apply(result, jax.device_get(draft_tokens), drafted,
                                                gammas)
-            return result, signals, drafted
+            return result, signals, drafted, logprobs
 
     SyntheticAcceptanceRunner.acceptance = acceptance  # the class is made per engine
     return SyntheticAcceptanceRunner

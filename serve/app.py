@@ -29,10 +29,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serve.metrics import ServerMetrics
-from serve.protocol import (APIError, GenerationRequest, chunk_choice, choice_body,
-                            created_now, error_body, invalid, parse_chat_request,
-                            parse_completion_request, parse_json_body, response_body,
-                            sampling_params, usage_body)
+from serve.protocol import (APIError, GenerationRequest, chat_logprobs, chunk_choice,
+                            choice_body, completion_logprobs, created_now, error_body, invalid,
+                            parse_chat_request, parse_completion_request, parse_json_body,
+                            response_body, sampling_params, usage_body)
 
 logger = logging.getLogger("jspec.serve")
 
@@ -233,6 +233,7 @@ class OpenAIApp:
             raise invalid("model", f"model {req.model!r} does not exist; this server serves "
                                    f"{self.options.model_name!r} (see GET /v1/models)",
                           "model_not_found")
+        self._check_logprobs(req)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         # admission before tokenizing: under overload a refusal should cost next to nothing
         ids = self._admit(request_id, len(req.prompts), start)
@@ -304,6 +305,14 @@ class OpenAIApp:
         except ValueError as e:
             raise invalid(field, str(e)) from None
         return ids
+
+    def _check_logprobs(self, req: GenerationRequest) -> None:
+        k = req.sampling.get("logprobs")
+        limit = self.engine.limits.max_logprobs
+        if k is not None and (not limit or k > limit):
+            param = "logprobs" if req.kind == "completion" else "top_logprobs"
+            raise invalid(param, f"{param}={k} is more than this server returns (at most "
+                                 f"{limit}); start it with --max-logprobs {max(k, 1)}")
 
     def _sampling_params(self, req: GenerationRequest, prompt_len: int):
         available = self._context_limit() - prompt_len
@@ -433,8 +442,8 @@ class OpenAIApp:
                            code="engine_failed") from None
         if any(out.finish_reason == "abort" for out in finals):
             raise self._aborted_error()
-        choices = [choice_body(req.kind, i, out.text, out.finish_reason)
-                   for i, out in enumerate(finals)]
+        choices = [choice_body(req.kind, i, out.text, out.finish_reason,
+                               _logprobs(req, out, 0, 0)) for i, out in enumerate(finals)]
         usage = usage_body(sum(map(len, inputs)), sum(out.num_tokens for out in finals))
         return web.json_response(response_body(req.kind, request_id, created_now(),
                                                self.options.model_name, choices, usage))
@@ -456,6 +465,8 @@ class OpenAIApp:
                                  chunk=True)
 
         started = [False] * len(ids)
+        sent = [0] * len(ids)  # tokens whose logprobs each choice has sent
+        offsets = [0] * len(ids)  # and the length of their texts (completions' text_offset)
         completion_tokens = 0
         try:
             try:
@@ -472,8 +483,12 @@ class OpenAIApp:
                         started[i] = True
                         text = out.delta_text if out.delta_text or req.kind == "completion" \
                             or first else None
+                        logprobs = _logprobs(req, out, sent[i], offsets[i])
+                        if logprobs is not None and req.kind == "completion":
+                            offsets[i] += sum(map(len, logprobs["tokens"]))
+                        sent[i] = out.num_tokens
                         await send(chunk([chunk_choice(req.kind, i, text, out.finish_reason,
-                                                       first=first)]))
+                                                       first=first, logprobs=logprobs)]))
                         if out.finished:
                             completion_tokens += out.num_tokens
                     else:
@@ -498,6 +513,18 @@ class OpenAIApp:
             if tracker is not None and not tracker.done:
                 tracker.done = True
                 self.metrics.finished("error")
+
+
+def _logprobs(req: GenerationRequest, out, start: int, offset: int) -> dict | None:
+    """The OpenAI logprobs object of ``out``'s tokens from ``start`` on (None unless the
+    request asked); ``offset``: the text length of the tokens before ``start``."""
+    k = req.sampling.get("logprobs")
+    if k is None:
+        return None
+    ids, entries = out.token_ids[start:], out.logprobs[start:]
+    if req.kind == "completion":
+        return completion_logprobs(ids, entries, k, offset)
+    return chat_logprobs(ids, entries, k)
 
 
 def _error_response(error: APIError) -> web.Response:

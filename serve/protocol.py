@@ -9,7 +9,11 @@ JSON types and which fields exist, then maps SamplingParams' ValueError back to 
 
 Unknown fields are refused (as OpenAI does): a misspelt ``max_token`` silently running with the
 default would be worse than a 400. Known OpenAI fields that the engine cannot honour are accepted
-only at their neutral value (``n=1``, ``presence_penalty=0``, ``logprobs=null`` ...).
+only at their neutral value (``n=1``, ``presence_penalty=0``, ``echo=false`` ...).
+
+Log-probabilities: ``logprobs: k`` on completions and ``logprobs: true`` + ``top_logprobs: k`` on
+chat completions ask for the target's log-probability of every generated token and its top k
+alternatives (``completion_logprobs`` / ``chat_logprobs`` shape them as OpenAI does).
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def _neutral(name: str, value: Any, allowed: tuple, what: str) -> None:
 # Fields shared by /v1/completions and /v1/chat/completions, and how each is read.
 # Extensions beyond OpenAI's schema, as in vLLM: top_k, stop_token_ids, ignore_eos.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                    "ignore_eos")
+                    "ignore_eos", "logprobs")
 _COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "n", "user",
                   "presence_penalty", "frequency_penalty", "logit_bias", *_SAMPLING_FIELDS}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
@@ -236,7 +240,7 @@ def parse_completion_request(body: dict) -> GenerationRequest:
     if body.get("echo") is not None:
         _neutral("echo", _bool("echo", body["echo"]), (False,), "the prompt is not echoed")
     if body.get("logprobs") is not None:
-        _neutral("logprobs", _int("logprobs", body["logprobs"]), (0,), "no log-probabilities")
+        sampling["logprobs"] = _int("logprobs", body["logprobs"])
     if body.get("best_of") is not None:
         _neutral("best_of", _int("best_of", body["best_of"]), (1,), "one sample per prompt")
     if body.get("suffix") is not None:
@@ -287,12 +291,16 @@ def parse_chat_request(body: dict) -> GenerationRequest:
         raise invalid("max_completion_tokens", f"max_tokens ({max_tokens}) and "
                                                f"max_completion_tokens ({max_completion}) "
                                                f"disagree; give one of them")
-    if body.get("logprobs") is not None:
-        _neutral("logprobs", _bool("logprobs", body["logprobs"]), (False,),
-                 "no log-probabilities")
-    if body.get("top_logprobs") is not None:
-        _neutral("top_logprobs", _int("top_logprobs", body["top_logprobs"]), (0,),
-                 "no log-probabilities")
+    wants = body.get("logprobs") is not None and _bool("logprobs", body["logprobs"])
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _int("top_logprobs", top)
+        if not wants:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+        if top < 0:
+            raise invalid("top_logprobs", f"top_logprobs must be >= 0, got {top}")
+    if wants:
+        sampling["logprobs"] = top or 0
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict):
@@ -382,26 +390,61 @@ def response_body(kind: str, request_id: str, created: int, model: str, choices:
     return body
 
 
-def choice_body(kind: str, index: int, text: str, reason: str | None) -> dict:
-    """One choice of a whole response."""
+def choice_body(kind: str, index: int, text: str, reason: str | None,
+                logprobs: dict | None = None) -> dict:
+    """One choice of a whole response (``logprobs``: ``completion_logprobs`` or
+    ``chat_logprobs``, when the request asked)."""
     if kind == "completion":
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": reason}
+            "logprobs": logprobs, "finish_reason": reason}
 
 
 def chunk_choice(kind: str, index: int, text: str | None, reason: str | None,
-                 first: bool = False) -> dict:
+                 first: bool = False, logprobs: dict | None = None) -> dict:
     """One choice of a stream chunk: completion chunks carry text, chat chunks a delta (the
     first one with the assistant role, the last one empty with the finish reason)."""
     if kind == "completion":
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs,
+                "finish_reason": reason}
     delta: dict[str, str] = {}
     if first:
         delta["role"] = "assistant"
     if text is not None:
         delta["content"] = text
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _top(entry: dict, k: int) -> list:
+    """The k most likely of one token's Logprob entries, most likely first."""
+    return sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], k: int,
+                        offset: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object for these tokens (``entries``: the engine's
+    ``{token id: Logprob}`` per token); ``offset``: the text length before the first one."""
+    tokens, offsets = [], []
+    for t, entry in zip(token_ids, entries):
+        offsets.append(offset)
+        text = entry[t].decoded_token or ""
+        tokens.append(text)
+        offset += len(text)
+    return {"tokens": tokens,
+            "token_logprobs": [entry[t].logprob for t, entry in zip(token_ids, entries)],
+            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(entry, k)}
+                             for entry in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], k: int) -> dict:
+    """The chat completions ``logprobs`` object (``{"content": [...]}``) for these tokens."""
+    def item(lp) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    return {"content": [dict(item(entry[t]), top_logprobs=[item(lp) for lp in _top(entry, k)])
+                        for t, entry in zip(token_ids, entries)]}
 
 
 def created_now() -> int:

@@ -80,13 +80,13 @@ def test_random_arrivals_and_aborts_keep_invariants_and_free_everything(
 
 def test_no_compilation_after_warmup(engine_models, mixed_prompts):
     """A fresh engine compiles everything at start-up; serving new prompts of new lengths with
-    every sampling mode, mixed γ (so draft catch-up), and aborts compiles nothing."""
+    every sampling mode, logprobs, mixed γ (so draft catch-up), and aborts compiles nothing."""
     target, draft, _ = engine_models
     engine = make_engine(target, draft, policy=RandomGammaPolicy(7, seed=5))
     before = runner.compile_events()
     rng = np.random.default_rng(11)
     modes = [SamplingParams(max_tokens=16, temperature=0.0),
-             SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8),
+             SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, logprobs=2),
              SamplingParams(max_tokens=16, temperature=1.2, top_k=5, seed=3)]
     for round_ in range(2):
         for i in range(12):

@@ -142,6 +142,36 @@ def test_streaming_chat(client, tiny_llm):
     assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
 
 
+def test_logprobs_completion_stream_and_chat(client, tiny_llm):
+    """OpenAI's logprobs objects carry the engine's per-token log-probabilities, streamed or
+    not; a request that does not ask gets null."""
+    (want,) = tiny_llm.generate(PROMPTS[0], greedy(8, ignore_eos=True, logprobs=2),
+                                use_tqdm=False)
+    expected = [e[t].logprob for t, e in zip(want.token_ids, want.logprobs)]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    lp = client.completions.create(**kw).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-5)
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for top, chosen in zip(lp.top_logprobs, lp.token_logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(chosen)  # greedy
+    streamed = [x for c in client.completions.create(stream=True, **kw) if c.choices
+                for x in (c.choices[0].logprobs.token_logprobs if c.choices[0].logprobs
+                          else [])]
+    assert streamed == pytest.approx(expected, abs=1e-5)
+    resp = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.bytes == list(item.token.encode())
+        ranked = [t.logprob for t in item.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True) and item.logprob == ranked[0]
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 def test_stream_is_server_sent_events_ending_in_done(server):
     status, headers, raw = http("POST", server.url + "/v1/completions", {
         "model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "stream": True,
@@ -251,6 +281,12 @@ ERROR_CASES = [
      "max_completion_tokens", "invalid_value", "max_tokens (4) and max_completion_tokens (5)"),
     ("chat-max-tokens-too-large", CHAT, _chat(max_tokens=500), 400, "max_tokens",
      "context_length_exceeded", "so at most"),
+    ("logprobs-too-many", COMPLETIONS, _body(logprobs=50), 400, "logprobs", "invalid_value",
+     "logprobs=50 is more than this server returns (at most 20)"),
+    ("logprobs-negative", COMPLETIONS, _body(logprobs=-1), 400, "logprobs", "invalid_value",
+     "logprobs must be None or an integer >= 0"),
+    ("chat-top-logprobs-alone", CHAT, _chat(top_logprobs=2), 400, "top_logprobs",
+     "invalid_value", "top_logprobs needs logprobs: true"),
 ]
 
 

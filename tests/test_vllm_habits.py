@@ -49,7 +49,7 @@ def test_prompt_dicts_as_vllm_takes_them(tiny_llm):
     ({"presence_penalty": 0.5}, "penalties are not implemented"),
     ({"frequency_penalty": 1.0}, "penalties are not implemented"),
     ({"repetition_penalty": 1.2}, "penalties are not implemented"),
-    ({"min_p": 0.1}, "top_k and top_p"), ({"logprobs": 5}, "not returned yet"),
+    ({"min_p": 0.1}, "top_k and top_p"), ({"prompt_logprobs": 5}, "prompt tokens are not returned"),
 ])
 def test_unsupported_vllm_sampling_options_say_why(kw, why):
     (name,) = kw
