@@ -25,11 +25,11 @@ from jspec.sampling_params import SamplingParams
 from models.params import init_params
 from models.tiny import DRAFT_OVERRIDES, tiny_config
 
-# few shapes: every engine below compiles its buckets anew
+# few shapes (and no logprobs buckets): every engine below compiles its buckets anew
 ENGINE_KW = dict(dtype="float32", max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16,
-                 num_speculative_tokens=3, block_size=16, min_token_bucket=16)
+                 num_speculative_tokens=3, block_size=16, min_token_bucket=16, max_logprobs=0)
 VOCAB = 256
-RUNS = {"qwen2": [(1, True), (2, False), (2, True), (4, False), (4, True)],
+RUNS = {"qwen2": [(1, True), (2, False), (4, True)],
         "llama": [(1, True), (4, True)]}
 
 
