@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import llm_cli_args
+from conftest import TEST_XLA_FLAGS, llm_cli_args
 from jspec.cli import main
 from jspec.sampling_params import SamplingParams
 
@@ -187,8 +187,7 @@ def test_generate_in_a_fresh_process_runs_bf16_with_the_cpu_flag(tiny_pair, tmp_
         "from jspec.platform import cpu_bf16_flag_set\n"
         "assert cpu_bf16_flag_set() and resolve_dtype('auto') == 'bfloat16'\n"
         "sys.exit(rc)\n")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JSPEC_CACHE"] = str(tmp_path)
+    env = dict(os.environ, XLA_FLAGS=TEST_XLA_FLAGS, JSPEC_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

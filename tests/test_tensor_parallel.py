@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import TEST_XLA_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMN, ROW = str(P(None, None, "tp")), str(P(None, "tp", None))
 
 
 @pytest.fixture(scope="module")
 def report():  # about a minute: every test that reads it is marked slow
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tp_worker.py")],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -157,8 +159,7 @@ def test_two_processes_generate_what_one_does(tiny_pair, tiny_llm, tmp_path):
     target, draft = tiny_pair
     prompts = ["def fibonacci(n):", "Hello, world!"]
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JSPEC_CACHE"] = str(tmp_path)
+    env = dict(os.environ, XLA_FLAGS=TEST_XLA_FLAGS, JSPEC_CACHE=str(tmp_path))
     procs = []
     for rank in range(2):
         argv = ["generate", "--target", str(target), "--draft", str(draft),
