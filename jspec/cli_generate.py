@@ -117,10 +117,12 @@ def run(args: argparse.Namespace) -> int:
     describe_models(args)
     # an offline run never needs more rows than prompts, and fewer rows compile fewer buckets
     max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else min(16, len(prompts))
+    # its requests never ask for logprobs: compile nothing for them unless told
+    options = {"max_logprobs": 0, **engine_kwargs(args)}
     llm = LLM(target=args.target, draft=args.draft, tokenizer=args.tokenizer, policy=args.policy,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
               max_num_seqs=max_num_seqs, policy_options=policy_options, warmup=False,
-              **engine_kwargs(args))
+              **options)
     for prompt in prompts:  # lengths against the context, before the warm-up
         llm.engine.validate_request(prompt, sampling_params)
     if args.policy_state and os.path.exists(args.policy_state):

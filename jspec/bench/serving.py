@@ -596,9 +596,10 @@ def run(args: argparse.Namespace) -> int:
     args.bin_seconds_resolved = args.bin_seconds or nice_bin(span)
 
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # no benchmark request asks for logprobs: none compiled (max_logprobs=0)
     engine_kwargs = {"num_speculative_tokens": args.num_speculative_tokens, "dtype": args.dtype,
                      "max_num_seqs": args.max_num_seqs,
-                     "synthetic_acceptance": args.synthetic_acceptance}
+                     "synthetic_acceptance": args.synthetic_acceptance, "max_logprobs": 0}
     for name in ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                  "min_token_bucket", "kv_cache_memory_bytes", "tensor_parallel_size"):
         if getattr(args, name) is not None:
