@@ -559,8 +559,9 @@ def test_serving_warmup_requests(tiny_pair, tmp_path):
 
     out = tmp_path / "warm.json"
     args = tiny_serving_args(
-        tiny_pair, "--policy", "off", "nightjar", "--arrivals", "poisson", "--rate", "50",
-        "--num-requests", "4", "--max-tokens", "5", "--warmup-requests", "3",
+        # prior=false: no step-time profile to measure first (what is tested is the warm-up)
+        tiny_pair, "--policy", "off", "nightjar:prior=false", "--arrivals", "poisson", "--rate",
+        "50", "--num-requests", "4", "--max-tokens", "5", "--warmup-requests", "3",
         "--out", str(out), "--no-progress")
     assert serving.run(args) == 0
     off, nightjar = json.loads(out.read_text())["runs"]
