@@ -18,9 +18,10 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 # XLA:CPU compiles at optimization level 0 in the test run (this process and the jspec
 # subprocesses it starts): with tiny models, compiling the shape buckets is most of the suite's
-# time, and level 0 compiles them about twice as fast (tests/test_engine_lossless.py: 219 s ->
-# 106 s on the 2-core CI machine) while running them a little slower. Nothing a test checks
-# depends on it (tokens, invariants, compile counts); benchmarks and users get XLA's default.
+# time, and level 0 compiles them 2-3x as fast (tests/test_engine_lossless.py: 219 s -> 106 s
+# on the 2-core CI machine) though it runs each step 3-4x slower (docs/benchmarks.md,
+# "Start-up": why jspec itself keeps XLA's default). Nothing a test checks depends on it
+# (tokens, distributions, invariants, compile counts); benchmarks and users get the default.
 # Subprocesses that set XLA_FLAGS themselves start from TEST_XLA_FLAGS.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), TEST_XLA_FLAGS)))
