@@ -770,6 +770,8 @@ class LLMEngine:
     def _add_logprobs(self, req: _Request, logprobs, row: int, count: int) -> None:
         """vLLM's per-token ``{token id: Logprob}``: the request's top ``logprobs`` tokens at
         each of the ``count`` places row ``row`` emitted, and the emitted token itself."""
+        if not count:
+            return
         k = req.seq.sampling_params.logprobs
         tokens = req.seq.output_token_ids[-count:]
         chosen = logprobs.logprob[row, :count].tolist()
