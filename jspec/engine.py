@@ -272,13 +272,7 @@ class LLMEngine:
         if self.config.synthetic_acceptance is not None:
             raise ValueError("logprobs are not available with synthetic_acceptance: the "
                              "emitted tokens are drawn from an acceptance model, not sampled")
-        limit = self.runner.logprobs_width
-        if not limit:
-            raise ValueError(f"logprobs are off in this engine (max_logprobs=0); build it with "
-                             f"max_logprobs={max(k, 1)} (--max-logprobs {max(k, 1)})")
-        if k > limit:
-            raise ValueError(f"logprobs={k} is more than this engine returns (at most {limit}); "
-                             f"build it with max_logprobs={k} (--max-logprobs {k})")
+        self.limits.check_logprobs(k)
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None,

@@ -45,6 +45,17 @@ class EngineLimits:
         """The longest prompt a request may have (one token must remain for the output)."""
         return self.context_limit - 1
 
+    def check_logprobs(self, k: int, param: str = "logprobs") -> None:
+        """A ValueError naming the fix when a request's ``k`` top log-probabilities (asked for
+        by ``param``) are more than this engine returns; the engine's and the server's check."""
+        if not self.max_logprobs:
+            raise ValueError(f"logprobs are off in this engine (max_logprobs=0); build it with "
+                             f"max_logprobs={max(k, 1)} (--max-logprobs {max(k, 1)})")
+        if k > self.max_logprobs:
+            raise ValueError(f"{param}={k} is more than this engine returns (at most "
+                             f"{self.max_logprobs}); build it with max_logprobs={k} "
+                             f"(--max-logprobs {k})")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:

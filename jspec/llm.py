@@ -94,7 +94,9 @@ def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
         if spec:
             raise ValueError(f"speculative_config key {sorted(spec)[0]!r} is not supported; "
                              "supported: model, num_speculative_tokens, method")
-    return target, draft, 4 if num_speculative_tokens is None else num_speculative_tokens
+    if num_speculative_tokens is None:
+        num_speculative_tokens = EngineConfig.num_speculative_tokens  # the config's default
+    return target, draft, num_speculative_tokens
 
 
 def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,

@@ -308,16 +308,13 @@ class OpenAIApp:
 
     def _check_logprobs(self, req: GenerationRequest) -> None:
         k = req.sampling.get("logprobs")
-        limit = self.engine.limits.max_logprobs
         if k is None or k < 0:  # a negative k: SamplingParams says why
             return
         param = "logprobs" if req.kind == "completion" else "top_logprobs"
-        if not limit:
-            raise invalid(param, "this server returns no log-probabilities (it was started "
-                                 "with --max-logprobs 0)")
-        if k > limit:
-            raise invalid(param, f"{param}={k} is more than this server returns (at most "
-                                 f"{limit}); start it with --max-logprobs {k}")
+        try:
+            self.engine.limits.check_logprobs(k, param)
+        except ValueError as e:
+            raise invalid(param, str(e)) from None
 
     def _sampling_params(self, req: GenerationRequest, prompt_len: int):
         available = self._context_limit() - prompt_len

@@ -282,7 +282,7 @@ ERROR_CASES = [
     ("chat-max-tokens-too-large", CHAT, _chat(max_tokens=500), 400, "max_tokens",
      "context_length_exceeded", "so at most"),
     ("logprobs-too-many", COMPLETIONS, _body(logprobs=50), 400, "logprobs", "invalid_value",
-     "logprobs=50 is more than this server returns (at most 20)"),
+     "logprobs=50 is more than this engine returns (at most 20)"),
     ("logprobs-negative", COMPLETIONS, _body(logprobs=-1), 400, "logprobs", "invalid_value",
      "logprobs must be None or an integer >= 0"),
     ("chat-top-logprobs-alone", CHAT, _chat(top_logprobs=2), 400, "top_logprobs",
