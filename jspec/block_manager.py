@@ -20,6 +20,25 @@ array allocated only while the pool is expanded (``pallas_kernels.segments``). T
 outside the free list, until :meth:`expand` hands them out; :meth:`contraction_plan` and
 :meth:`contract` move every live block out of the extension again and take it back.
 
+Prefix caching (``enable_caching``; vLLM's automatic prefix caching): a *full* block whose
+target K/V is computed is registered in an index under a hash chain over its tokens (SHA-256 of
+the previous block's hash and this block's token ids, seeded with ``cache_salt``), so the key
+names the whole prefix up to the block's end. A request without a table first takes the longest
+chain of indexed blocks its tokens start with (:meth:`match_prefix`, reference counted: several
+requests read one block), and its prefill starts after them. Indexed blocks stay indexed when the
+last table lets them go: they wait, in least-recently-used order, among the free blocks
+(``num_free_blocks`` counts them) and are evicted only when an allocation finds no never-indexed
+block left. An indexed block is never written by the target again (its tokens are all committed
+and every later write lands at a higher position), and :meth:`truncate` refuses to release one,
+so speculative rollback only ever drops a request's own unshared tail.
+
+The draft pool models' K/V of a block may or may not exist (a draft lags the target after γ = 0
+steps and loses its K/V when elastic memory offloads it), so each indexed block also carries one
+bit per pool model, set once a holder's draft K/V covers the block; a hit reports each pool's own
+cached length (the leading blocks with its bit set), and the draft catches up from there. A draft
+catching up may write into a shared block whose bit is not set yet: it writes the K/V of the same
+tokens at the same positions that any other holder would, so readers are unaffected.
+
 Free-list policy: lowest free block id first (a min-heap). Keeping live blocks packed at low ids
 means that an expanded pool uses the extension only once the base is full, and contraction has as
 few live blocks to migrate out of it as possible. The cost is O(log n) per block handed out or
@@ -29,22 +48,49 @@ tokens per sequence).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import hashlib
 import heapq
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
 NULL_BLOCK = 0
 
 
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters, in tokens, counted once per admitted request (vLLM's
+    ``prefix_cache_queries`` / ``prefix_cache_hits``): ``queries`` are the requests' tokens
+    looked up, ``hits`` those the target pool had cached, ``draft_hits[m]`` those pool model m
+    had cached (at most ``hits``)."""
+
+    num_pool_models: int = 1
+    queries: int = 0
+    hits: int = 0
+    draft_hits: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.draft_hits:
+            self.draft_hits = [0] * self.num_pool_models
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries else None
+
+
 class BlockManager:
     """Allocates physical KV blocks to sequences (keyed by request id), with reference counts.
 
-    Reference counts exist because :meth:`fork` lets several sequences share blocks; a block
-    returns to the free list only when the last table holding it lets it go.
+    Reference counts exist because prefix caching lets several sequences share blocks; a block
+    returns to the free list only when the last table holding it lets it go. ``num_pool_models``
+    is how many draft pool models keep K/V over the same block ids (their cache bits).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_extension_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_extension_blocks: int = 0, *,
+                 enable_caching: bool = False, num_pool_models: int = 1,
+                 cache_salt: bytes = b"") -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), "
                              f"got {num_blocks}")
@@ -66,6 +112,21 @@ class BlockManager:
         # longer than its table (capacity grows by doubling; truncation leaves a stale tail):
         # only its first len(table) entries are meaningful.
         self._table_arrays: dict[Hashable, np.ndarray] = {}
+        # prefix caching: hash -> block and back, and per block the pool models whose K/V of it
+        # are valid (bit m); indexed blocks no table holds, least recently used first
+        self.enable_caching = enable_caching
+        self.num_pool_models = num_pool_models
+        self._salt = hashlib.sha256(b"jspec-prefix-cache\0" + cache_salt).digest()
+        self._index: dict[bytes, int] = {}
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_pools: list[int] = [0] * num_blocks
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # per request: the hash chain of its full blocks so far, how many leading blocks of its
+        # table were offered to the index, and per pool model how many were marked
+        self._hashes: dict[Hashable, list[bytes]] = {}
+        self._num_indexed: dict[Hashable, int] = {}
+        self._pool_marked: dict[Hashable, list[int]] = {}
+        self.stats = PrefixCacheStats(num_pool_models)
 
     # ------------------------------------------------------------------ capacity
 
@@ -86,11 +147,17 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: never-indexed ones and cached ones no table holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - len(self._free)
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix-cache index (held by tables or waiting to be reused)."""
+        return len(self._index)
 
     def blocks_needed(self, num_slots: int) -> int:
         """Blocks that cover ``num_slots`` token slots (ceil division)."""
@@ -130,7 +197,7 @@ class BlockManager:
         """Whether :meth:`allocate` would succeed (an unknown id counts as an empty table)."""
         table = self._tables.get(request_id)
         held = len(table) if table is not None else 0
-        return self.blocks_needed(num_slots) - held <= len(self._free)
+        return self.blocks_needed(num_slots) - held <= self.num_free_blocks
 
     def allocate(self, request_id: Hashable, num_slots: int) -> bool:
         """Grow the sequence's table so it covers ``num_slots`` slots (positions 0..num_slots-1).
@@ -149,13 +216,14 @@ class BlockManager:
                 self._tables[request_id] = []
             return True
         free = self._free
-        if missing > len(free):
+        if missing > len(free) + len(self._evictable):
             return False
         if table is None:
             table = self._tables[request_id] = []
         refcounts = self._refcounts
         for _ in range(missing):
-            block = heapq.heappop(free)
+            # a never-indexed block first: a cached one is evicted only when none is left
+            block = heapq.heappop(free) if free else self._evict_lru()
             refcounts[block] = 1
             table.append(block)
         self._mirror(request_id, table, held)
@@ -173,29 +241,145 @@ class BlockManager:
         keep = -(-num_slots // self.block_size)
         if keep >= len(table):
             return
+        if keep < self._num_indexed.get(request_id, 0):
+            raise RuntimeError(
+                f"truncating request {request_id!r} to {num_slots} slots would release its "
+                f"cached block {keep} (committed K/V, possibly shared); rollback may only drop "
+                f"the unshared tail")
         self._release(table[keep:])
         del table[keep:]
 
     def free(self, request_id: Hashable) -> None:
         """Drop the sequence's table; its blocks are freed unless another table still holds them."""
         table = self._table(request_id)
-        self._release(table)
+        # the tail first: a prompt's later blocks are evicted before the prefix others share
+        self._release(table[::-1])
         del self._tables[request_id]
         self._table_arrays.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        self._num_indexed.pop(request_id, None)
+        self._pool_marked.pop(request_id, None)
 
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Give ``child_id`` a table sharing all of the parent's blocks (reference counted).
-
-        There is no copy-on-write yet: the caller must not let both write into a shared block.
-        """
-        parent = self._table(parent_id)
-        if child_id in self._tables:
-            raise ValueError(f"request {child_id!r} already has a block table")
-        refcounts = self._refcounts
-        for block in parent:
+    # ------------------------------------------------------------------ prefix caching
+    def match_prefix(self, request_id: Hashable, token_ids: Sequence[int]) -> list[int]:
+        """Give a request without a table the longest run of cached blocks its tokens start
+        with (shared, reference counted) and return how many of its tokens each pool holds:
+        ``[target, pool model 0, ...]`` (multiples of ``block_size``; a pool model's count
+        stops at the first block its K/V do not cover). At most ``len(token_ids) - 1`` tokens
+        are matched: the last one is fed again for its logits. Counts nothing (see
+        :meth:`count_query`); undo with :meth:`free`."""
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already has a block table")
+        bs = self.block_size
+        table = self._tables[request_id] = []
+        if self.enable_caching:
+            hashes = self._hashes[request_id] = self._chain([], token_ids,
+                                                            len(token_ids) // bs)
+            index = self._index
+            for h in hashes[:(len(token_ids) - 1) // bs]:
+                block = index.get(h)
+                if block is None:
+                    break
+                table.append(block)
+        refcounts, evictable = self._refcounts, self._evictable
+        for block in table:
+            if not refcounts[block]:
+                del evictable[block]
             refcounts[block] += 1
-        self._tables[child_id] = list(parent)
-        self._mirror(child_id, parent, 0)
+        self._mirror(request_id, table, 0)
+        self._num_indexed[request_id] = len(table)
+        marked = self._pool_marked[request_id] = []
+        for m in range(self.num_pool_models):
+            bit, n = 1 << m, 0
+            while n < len(table) and self._block_pools[table[n]] & bit:
+                n += 1
+            marked.append(n)
+        return [len(table) * bs] + [n * bs for n in marked]
+
+    def count_query(self, num_tokens: int, cached: Sequence[int]) -> None:
+        """Count an admitted request's lookup: ``num_tokens`` queried, ``cached`` as
+        :meth:`match_prefix` returned it."""
+        stats = self.stats
+        stats.queries += num_tokens
+        stats.hits += cached[0]
+        for m, n in enumerate(cached[1:]):
+            stats.draft_hits[m] += n
+
+    def cache_blocks(self, request_id: Hashable, computed: Sequence[int],
+                     token_ids: Callable[[], Sequence[int]]) -> None:
+        """Index the request's full blocks whose target K/V are computed (``computed[0]``
+        tokens) and mark those pool model m covers (``computed[1 + m]``). ``token_ids()`` is
+        called only when a new block must be hashed. A block whose hash is indexed already
+        (another request computed the same prefix meanwhile) stays private and is freed as
+        usual."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        table = self._table(request_id)
+        n_full = min(computed[0] // bs, len(table))
+        done = self._num_indexed.get(request_id, 0)
+        if n_full > done:
+            hashes = self._hashes.setdefault(request_id, [])
+            if len(hashes) < n_full:
+                self._chain(hashes, token_ids(), n_full)
+            index, block_hash = self._index, self._block_hash
+            for i in range(done, n_full):
+                h, block = hashes[i], table[i]
+                if block_hash[block] is None and h not in index:
+                    index[h] = block
+                    block_hash[block] = h
+            self._num_indexed[request_id] = done = n_full
+        marked = self._pool_marked.setdefault(request_id, [0] * self.num_pool_models)
+        hashes = self._hashes.get(request_id, ())
+        for m in range(self.num_pool_models):
+            upto = min(computed[1 + m] // bs, done)
+            if upto > marked[m]:
+                bit = 1 << m
+                for i in range(marked[m], upto):
+                    block = table[i]
+                    if self._block_hash[block] == hashes[i]:  # this request's block is indexed
+                        self._block_pools[block] |= bit
+                marked[m] = upto
+
+    def reset_prefix_cache(self) -> int:
+        """Empty the index (vLLM's ``reset_prefix_cache``): cached free blocks return to the
+        free list and blocks requests hold become private. Returns how many were indexed."""
+        n = len(self._index)
+        for block in self._index.values():
+            self._block_hash[block] = None
+            self._block_pools[block] = 0
+        self._index.clear()
+        for block in self._evictable:
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        return n
+
+    def forget_pool_models(self) -> None:
+        """Every pool model's K/V are gone (elastic memory offloaded the draft): clear their
+        bits; the target's cached blocks stay."""
+        self._block_pools = [0] * self.num_blocks
+        for marked in self._pool_marked.values():
+            marked[:] = [0] * len(marked)
+
+    def _chain(self, hashes: list[bytes], token_ids: Sequence[int], n: int) -> list[bytes]:
+        """Extend ``hashes`` (the chain of the first len(hashes) blocks) to ``n`` blocks."""
+        bs = self.block_size
+        prev = hashes[-1] if hashes else self._salt
+        for i in range(len(hashes), n):
+            tokens = np.asarray(token_ids[i * bs:(i + 1) * bs], np.int64)
+            prev = hashlib.sha256(prev + tokens.tobytes()).digest()
+            hashes.append(prev)
+        return hashes
+
+    def _evict_lru(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        self._unindex(block)
+        return block
+
+    def _unindex(self, block: int) -> None:
+        del self._index[self._block_hash[block]]
+        self._block_hash[block] = None
+        self._block_pools[block] = 0
 
     # ------------------------------------------------------------------ elastic pool
     def expand(self) -> int:
@@ -213,21 +397,25 @@ class BlockManager:
 
     def contraction_plan(self) -> list[tuple[int, int]] | None:
         """Moves (source, destination) that empty the extension: every live block in it goes to
-        a free base block, lowest first (§5.3 steps 1-2). ``None`` when the free base blocks
-        cannot take them all. Sources are live and destinations free, so the two sets are
-        disjoint and the copies commute (``pallas_kernels.kv_migration``)."""
+        a free base block, never-indexed ones lowest first, then cached ones no table holds,
+        least recently used first (they are evicted) (§5.3 steps 1-2). ``None`` when the free
+        base blocks cannot take them all. Sources are live and destinations free, so the two
+        sets are disjoint and the copies commute (``pallas_kernels.kv_migration``)."""
         if not self.expanded:
             raise RuntimeError("the KV pool is not expanded")
         base = self.num_base_blocks
         live = sorted(b for b in range(base, self.num_blocks) if self._refcounts[b])
         free_base = sorted(b for b in self._free if b < base)
+        if len(free_base) < len(live):
+            free_base += [b for b in self._evictable if b < base][:len(live) - len(free_base)]
         if len(live) > len(free_base):
             return None
         return list(zip(live, free_base))
 
     def contract(self, moves: list[tuple[int, int]]) -> None:
-        """Apply a :meth:`contraction_plan` to the tables (after its K/V were copied) and take the
-        extension back (§5.3 steps 3 and 5)."""
+        """Apply a :meth:`contraction_plan` to the tables and the prefix-cache index (after the
+        K/V were copied) and take the extension back (§5.3 steps 3 and 5); cached extension
+        blocks no table holds are evicted."""
         if not self.expanded:
             raise RuntimeError("the KV pool is not expanded")
         base = self.num_base_blocks
@@ -237,11 +425,23 @@ class BlockManager:
             raise ValueError(f"the moves cover extension blocks {sorted(remap)} but the live "
                              f"ones are {sorted(live)}")
         free_set = set(self._free)
+        evictable = self._evictable
         for src, dst in moves:
-            if not (dst < base and dst in free_set):
+            if not (dst < base and (dst in free_set or dst in evictable)):
                 raise ValueError(f"destination block {dst} is not a free base block")
+            if dst in evictable:
+                del evictable[dst]
+                self._unindex(dst)
             free_set.discard(dst)
             self._refcounts[dst], self._refcounts[src] = self._refcounts[src], 0
+            h = self._block_hash[src]
+            if h is not None:  # the index follows the block
+                self._index[h] = dst
+                self._block_hash[dst], self._block_hash[src] = h, None
+                self._block_pools[dst], self._block_pools[src] = self._block_pools[src], 0
+        for block in [b for b in evictable if b >= base]:
+            del evictable[block]
+            self._unindex(block)
         for request_id, table in self._tables.items():
             if any(b >= base for b in table):
                 table[:] = [remap.get(b, b) for b in table]
@@ -282,16 +482,45 @@ class BlockManager:
             if holders[block] and block in free_set:
                 raise AssertionError(f"block {block} is both free and held")
         used = sum(1 for count in holders if count)
-        if used + len(free) != self.num_usable_blocks:
-            raise AssertionError(f"{used} used + {len(free)} free != "
-                                 f"{self.num_usable_blocks} usable blocks (leaked blocks)")
+        evictable = self._evictable
+        if used + len(free) + len(evictable) != self.num_usable_blocks:
+            raise AssertionError(f"{used} used + {len(free)} free + {len(evictable)} cached "
+                                 f"free != {self.num_usable_blocks} usable blocks (leaked "
+                                 f"blocks)")
+        block_hash = self._block_hash
+        for block in evictable:
+            if holders[block] or block in free_set or block_hash[block] is None \
+                    or not 0 < block < limit:
+                raise AssertionError(f"cached free block {block} is held, in the free list, "
+                                     f"not indexed or out of range")
+        for block in free:
+            if block_hash[block] is not None:
+                raise AssertionError(f"block {block} in the free list is still indexed")
+        for h, block in self._index.items():
+            if block_hash[block] != h:
+                raise AssertionError(f"the index maps a hash to block {block}, which has "
+                                     f"another")
+        indexed = sum(1 for h in block_hash if h is not None)
+        if indexed != len(self._index):
+            raise AssertionError(f"{indexed} blocks carry a hash but the index holds "
+                                 f"{len(self._index)}")
+        for block, bits in enumerate(self._block_pools):
+            if bits and block_hash[block] is None:
+                raise AssertionError(f"block {block} has pool bits but is not indexed")
         for request_id, table in self._tables.items():
             arr = self._table_arrays.get(request_id)
             if table and (arr is None or arr[:len(table)].tolist() != table):
                 raise AssertionError(f"stale page-table mirror for request {request_id!r}")
-        extra = set(self._table_arrays) - set(self._tables)
+        for request_id, table in self._tables.items():
+            n = self._num_indexed.get(request_id, 0)
+            if n > len(table):
+                raise AssertionError(f"request {request_id!r} indexed {n} blocks but holds "
+                                     f"{len(table)}")
+        extra = (set(self._table_arrays) | set(self._hashes) | set(self._num_indexed)
+                 | set(self._pool_marked)) - set(self._tables)
         if extra:
-            raise AssertionError(f"page-table mirrors of freed requests {sorted(map(repr, extra))}")
+            raise AssertionError(f"page-table mirrors or hash chains of freed requests "
+                                 f"{sorted(map(repr, extra))}")
 
     # ------------------------------------------------------------------ internals
 
@@ -315,14 +544,19 @@ class BlockManager:
     def _release(self, blocks: list[int]) -> None:
         refcounts = self._refcounts
         free = self._free
+        block_hash = self._block_hash
         for block in blocks:
             count = refcounts[block] - 1
             refcounts[block] = count
             if count == 0:
-                heapq.heappush(free, block)
+                if block_hash[block] is None:
+                    heapq.heappush(free, block)
+                else:  # cached: kept for reuse, the most recently used
+                    self._evictable[block] = None
 
     def __repr__(self) -> str:
         ext = (f", extension={self.num_extension_blocks}"
                f"{' (in use)' if self.expanded else ''}") if self.num_extension_blocks else ""
+        cached = f", cached={self.num_cached_blocks}" if self.enable_caching else ""
         return (f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"free={self.num_free_blocks}, sequences={len(self._tables)}{ext})")
+                f"free={self.num_free_blocks}, sequences={len(self._tables)}{cached}{ext})")

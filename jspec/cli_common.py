@@ -15,7 +15,7 @@ from typing import Any, Callable
 ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                         "min_token_bucket", "kernel_backend", "elastic_memory",
                         "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout",
-                        "tensor_parallel_size", "max_logprobs")
+                        "tensor_parallel_size", "max_logprobs", "enable_prefix_caching")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +70,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
     engine.add_argument("--max-logprobs", type=int, default=None, metavar="K",
                         help="the most top log-probabilities a request may ask for (default 20; "
                              "0 compiles nothing for them and refuses such requests)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="keep finished requests' full KV blocks and reuse them for prompts "
+                             "that start with the same tokens (vLLM's automatic prefix "
+                             "caching; default: on)")
     engine.add_argument("--kernel-backend", choices=["auto", "pallas", "interpret", "reference"],
                         default=None,
                         help="attention / KV-migration kernels: auto = Pallas on a GPU where they "

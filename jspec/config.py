@@ -54,6 +54,11 @@ class EngineConfig:
     # name and default. A step computes them only when one of its requests asked; 0 compiles
     # nothing for them and refuses such requests.
     max_logprobs: int = 20
+    # automatic prefix caching (vLLM's name; jspec/block_manager.py): full KV blocks are kept,
+    # indexed by a hash chain over their tokens, after their request finishes, and a new request
+    # whose prompt starts with them reuses them instead of prefilling them again (target and
+    # draft pools alike); evicted least recently used, only when blocks are needed
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         def positive(name):

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jspec import input_batch as ib
-from jspec.block_manager import BlockManager
+from jspec.block_manager import BlockManager, PrefixCacheStats
 from jspec.config import EngineConfig, gamma_bucket, gamma_buckets, resolve
 from jspec.detokenizer import IncrementalDetokenizer, find_stop
 from jspec.distributed import StepSync
@@ -158,8 +158,11 @@ class LLMEngine:
                                          config.elastic_persist_steps)
         self.gamma_buckets = gamma_buckets(self.policy.possible_gammas(), self.max_gamma) \
             if draft is not None and self.chains else (0,)
-        self.block_manager = BlockManager(self.rc.num_kv_blocks + self.rc.num_extension_blocks,
-                                          config.block_size, self.rc.num_extension_blocks)
+        self.block_manager = BlockManager(
+            self.rc.num_kv_blocks + self.rc.num_extension_blocks, config.block_size,
+            self.rc.num_extension_blocks, enable_caching=config.enable_prefix_caching,
+            num_pool_models=max(1, len(pool)),
+            cache_salt=repr([model_signature(m.cfg) for m in [target, *pool]]).encode())
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.rc.max_num_batched_tokens,
@@ -208,8 +211,17 @@ class LLMEngine:
 
     def reset_metrics(self) -> EngineMetrics:
         """Start the counters afresh (after a warm-up that should not count); returns them."""
-        self.metrics = EngineMetrics(max_gamma=self.max_gamma, pool_names=self.pool_names)
+        bm = self.block_manager
+        bm.stats = PrefixCacheStats(bm.num_pool_models)
+        self.metrics = EngineMetrics(max_gamma=self.max_gamma, pool_names=self.pool_names,
+                                     prefix_cache=bm.stats)
         return self.metrics
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's name), e.g. so that a benchmark's warm-up requests
+        do not serve the measured ones; running requests keep their blocks. Returns how many
+        blocks were cached."""
+        return self.block_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------ policy state
     def save_policy_state(self, path: str) -> None:
@@ -439,6 +451,7 @@ class LLMEngine:
         # the draft's K/V went with it: after the reload it catches up from the first token
         for seq in self.scheduler.running:
             seq.forget_draft_kv()
+        self.block_manager.forget_pool_models()
         self.elastic.expanded_now()
         self.metrics.num_pool_expansions += 1
         self.metrics.pool_expansion_time += time.perf_counter() - t0
@@ -712,6 +725,7 @@ class LLMEngine:
             row.num_emitted = 0
             if not row.samples:  # a prefill chunk that does not reach the end yet
                 seq.num_computed += row.num_new_tokens
+                self._cache_blocks(seq)
                 continue
             if row.is_decode:
                 n = min(accepted_all[i], row.gamma_verify)
@@ -749,6 +763,7 @@ class LLMEngine:
             self.metrics.num_generated_tokens += row.num_emitted
             if logprobs is not None and seq.sampling_params.logprobs is not None:
                 self._add_logprobs(req, logprobs, i, row.num_emitted)
+            self._cache_blocks(seq)
             if status is not None:
                 seq.status = status
                 self.scheduler.finish(seq, status)
@@ -760,6 +775,27 @@ class LLMEngine:
                 if self.stream_outputs:
                     outputs.append(self._output(req))
         return outputs
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed blocks to the prefix cache (before a finish
+        frees them), only when a model's K/V reached a new block since the last offer: most
+        decode steps do not, and the call costs microseconds per row. K/V past the last kept
+        token (a draft accepted after an EOS) are not counted: their tokens are not in the
+        sequence."""
+        bm = self.block_manager
+        if not bm.enable_caching:
+            return
+        bs, marks, drafts = bm.block_size, seq.full_blocks, seq.draft_computed
+        if marks and seq.num_computed // bs == marks[0]:
+            for c, m in zip(drafts, marks[1:]):
+                if c // bs != m:
+                    break
+            else:
+                return  # no model's K/V reached a new block
+        n = seq.num_tokens
+        computed = [min(seq.num_computed, n)] + [min(c, n) for c in drafts]
+        seq.full_blocks = [c // bs for c in computed]
+        bm.cache_blocks(seq.request_id, computed, seq.token_ids)
 
     def _add_logprobs(self, req: _Request, logprobs, row: int, count: int) -> None:
         """vLLM's per-token ``{token id: Logprob}``: the request's top ``logprobs`` tokens at
@@ -833,6 +869,7 @@ class LLMEngine:
             metrics={"arrival_time": req.arrival_time, "first_token_time": seq.first_token_time,
                      "finish_time": req.finish_time},
             logprob_source=req.logprobs,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
     # ------------------------------------------------------------------ accessors (serve/, bench)
@@ -863,11 +900,13 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot of the load, the KV cache and the counters; safe to call from another
         thread while the engine steps (each value is read whole; see EngineStats)."""
-        total = self.block_manager.num_usable_blocks
-        free = self.block_manager.num_free_blocks
+        bm = self.block_manager
+        total = bm.num_usable_blocks
+        free = bm.num_free_blocks
         return EngineStats(num_running=self.scheduler.num_running,
                            num_waiting=self.scheduler.num_waiting, kv_blocks_total=total,
                            kv_blocks_used=total - free, kv_blocks_free=free,
+                           kv_blocks_cached=bm.num_cached_blocks,
                            draft_resident=self.draft_resident,
                            device_memory_bytes=self.runner.device_bytes(),
                            metrics=self.metrics.as_dict())

@@ -69,12 +69,14 @@ class EngineStats:
     num_waiting: int  # requests waiting for a slot (the queue depth)
     kv_blocks_total: int  # usable KV blocks now (the elastic extension's too while expanded)
     kv_blocks_used: int  # held by sequences
-    kv_blocks_free: int
+    kv_blocks_free: int  # blocks an allocation may take (cached blocks no request holds too)
     draft_resident: bool  # the draft model's weights are on the device
     # device bytes by part (target_params, target_kv, draft_params, draft_kv): what elastic
     # memory trades, the draft's two against the target pool's extension
     device_memory_bytes: dict[str, int]
     metrics: dict[str, Any]  # EngineMetrics.as_dict(): counters since the engine was built
+    # blocks in the prefix cache's index, held by requests or free for reuse (0 without caching)
+    kv_blocks_cached: int = 0
 
     @property
     def num_unfinished(self) -> int:

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from jspec.block_manager import PrefixCacheStats
 from policies.base import StepOutcome, batch_bucket, chain_label
 
 
@@ -43,6 +44,8 @@ class EngineMetrics:
     pool_contraction_time: float = 0.0  # planning and running the block migration
     draft_reload_dispatch_time: float = 0.0  # starting the asynchronous reload (host time)
     draft_reload_time: float = 0.0  # from that start until the engine saw the draft back
+    # prefix caching: the block manager's counters (tokens looked up and found, per pool)
+    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
 
     def __post_init__(self):
         self.accepted_per_position = np.zeros(self.max_gamma, np.int64)
@@ -107,7 +110,13 @@ class EngineMetrics:
         return (self.spec_decode_num_accepted_tokens + d) / d if d else 0.0
 
     def as_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "prefix_cache"}
+        pc = self.prefix_cache
+        out["prefix_cache_queries"] = pc.queries
+        out["prefix_cache_hits"] = pc.hits
+        out["prefix_cache_hit_rate"] = pc.hit_rate
+        out["prefix_cache_draft_hits"] = list(pc.draft_hits)
         out["pool_names"] = list(self.pool_names)
         out["accepted_per_position"] = self.accepted_per_position.tolist()
         out["gamma_histogram"] = self.gamma_histogram.tolist()

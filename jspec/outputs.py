@@ -59,6 +59,8 @@ class RequestOutput:
     # per output token {token id: Logprob} (the request's top ``logprobs`` and the emitted
     # token), shared and sliced like ``token_source``; None unless the request asked
     logprob_source: list | None = dataclasses.field(default=None, repr=False)
+    # prompt tokens served from the prefix cache at admission (vLLM's name; 0 without caching)
+    num_cached_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

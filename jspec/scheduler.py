@@ -24,6 +24,13 @@ sequence, which holds KV, ever stalls for budget; lookahead and prefill chunks s
 budget counts target tokens only: the draft's catch-up tokens (``num_draft_computed`` lagging after
 γ = 0 steps) are the speculative step's business.
 
+Prefix caching (``BlockManager.enable_caching``): when a waiting sequence comes up for admission
+it first takes the cached blocks its tokens start with (``BlockManager.match_prefix``), which
+sets ``num_computed`` (and each draft pool model's ``draft_computed``) past them, so its prefill
+chunk, its budget and its new blocks cover only the rest. If it is not admitted after all, it
+lets them go again and stays waiting with nothing computed. A preempted sequence's blocks stay
+cached when it is freed, so its recompute usually starts far along.
+
 Ordering invariant: every running sequence arrived before every waiting one. Admission takes the
 waiting queue's head (the oldest), new requests go to its back and a preempted sequence (the
 youngest running one) goes to its front, so the invariant holds, and the running dict's insertion
@@ -281,11 +288,15 @@ class Scheduler:
         while waiting and budget > 0 and len(running) < max_num_seqs:
             seq = waiting[0]
             request_id = seq.request_id
+            # prefix caching: start after the blocks the pool already holds (a waiting sequence
+            # holds no blocks, so this is its first look)
+            cached = self._match_prefix(seq) if bm.enable_caching else None
             num_tokens = seq.num_tokens
             num_computed = seq.num_computed
             remaining = num_tokens - num_computed
             if remaining == 1:
                 if prefill_only:
+                    self._unmatch(seq, cached)
                     break
                 capacity = bm.num_free_blocks * block_size
                 if bm.has(request_id):
@@ -295,6 +306,7 @@ class Scheduler:
                 if la < 0:
                     la = 0
                 if not bm.allocate(request_id, num_tokens + la):
+                    self._unmatch(seq, cached)
                     break
                 cost = 1 + la
                 item = ScheduledSeq(seq, 1, True, la, True)
@@ -304,17 +316,38 @@ class Scheduler:
                 elif remaining <= budget:
                     num_new = remaining
                 else:
+                    self._unmatch(seq, cached)
                     break
                 if not bm.allocate(request_id, num_computed + num_new):
+                    self._unmatch(seq, cached)
                     break
                 cost = num_new
                 item = ScheduledSeq(seq, num_new, False, 0, num_new == remaining)
             waiting.popleft()
+            if cached is not None:
+                bm.count_query(num_tokens, cached)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = cached[0]
             seq.status = SequenceStatus.RUNNING
             running[request_id] = seq
             budget -= cost
             scheduled.append(item)
         return budget
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Give ``seq`` the cached blocks its tokens start with; each model's K/V then covers
+        what its pool had cached (the draft's may be shorter than the target's)."""
+        cached = self.block_manager.match_prefix(seq.request_id, seq.token_ids())
+        seq.num_computed = cached[0]
+        seq.draft_computed = cached[1:1 + len(seq.draft_computed)]
+        return cached
+
+    def _unmatch(self, seq: Sequence, cached: list[int] | None) -> None:
+        """The sequence stays waiting after all: let its cached blocks go again."""
+        if cached is not None:
+            self.block_manager.free(seq.request_id)
+            seq.num_computed = 0
+            seq.forget_draft_kv()
 
     def reclaim(self, sched: SchedulerOutput, lookahead: list[int]) -> bool:
         """Give back lookahead the step will not use and spend it on prefill.

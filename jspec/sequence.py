@@ -49,6 +49,11 @@ class Sequence:
     num_steps: int = 0
     # time of the first output token (for TTFT); set by the engine
     first_token_time: float | None = None
+    # prompt tokens whose target K/V came from the prefix cache at first admission (None before
+    # it; 0 without caching)
+    num_cached_tokens: int | None = None
+    # full blocks each model's K/V covered when the engine last offered them to the prefix cache
+    full_blocks: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_draft_computed(self) -> int:
@@ -94,5 +99,6 @@ class Sequence:
         """Preemption by recompute: forget all KV; prompt + outputs so far are prefilled again."""
         self.num_computed = 0
         self.forget_draft_kv()
+        self.full_blocks = []
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

@@ -446,7 +446,8 @@ class OpenAIApp:
             raise self._aborted_error()
         choices = [choice_body(req.kind, i, out.text, out.finish_reason,
                                _logprobs(req, out, 0, 0)) for i, out in enumerate(finals)]
-        usage = usage_body(sum(map(len, inputs)), sum(out.num_tokens for out in finals))
+        usage = usage_body(sum(map(len, inputs)), sum(out.num_tokens for out in finals),
+                           sum(out.num_cached_tokens for out in finals))
         return web.json_response(response_body(req.kind, request_id, created_now(),
                                                self.options.model_name, choices, usage))
 
@@ -469,7 +470,7 @@ class OpenAIApp:
         started = [False] * len(ids)
         sent = [0] * len(ids)  # tokens whose logprobs each choice has sent
         offsets = [0] * len(ids)  # and the length of their texts (completions' text_offset)
-        completion_tokens = 0
+        completion_tokens = cached_tokens = 0
         try:
             try:
                 async with aclosing(self._outputs(inputs, params, ids)) as outputs:
@@ -493,10 +494,11 @@ class OpenAIApp:
                                                        first=first, logprobs=logprobs)]))
                         if out.finished:
                             completion_tokens += out.num_tokens
+                            cached_tokens += out.num_cached_tokens
                     else:
                         if req.include_usage:
                             await send(chunk([], usage_body(sum(map(len, inputs)),
-                                                            completion_tokens)))
+                                                            completion_tokens, cached_tokens)))
             except RuntimeError as e:  # the engine loop failed: tell the client in-stream
                 self._mark_error(ids)
                 await send(error_body(f"generation failed: {e}", "server_error", None,

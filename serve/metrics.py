@@ -14,7 +14,8 @@ Three kinds of series:
   is diffed or re-read at scrape time. These count the steps run since the server took the
   engine (``ServerMetrics.attach``);
 * the engine's load and the counters no step record carries (queue depth, running sequences,
-  KV blocks, draft residency, preemptions, aborts, policy time): read from
+  KV blocks, prefix-cache queries / hits / cached blocks, draft residency, preemptions, aborts,
+  policy time): read from
   ``AsyncLLMEngine.stats()`` at scrape time by a custom collector.
 
 Counters that only grow are exported as Prometheus counters (``_total``).
@@ -62,7 +63,8 @@ VLLM_METRICS = (
     "vllm:iteration_tokens_total", "vllm:time_to_first_token_seconds",
     "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
     "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+    "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
 VLLM_LABELS = ("model_name", "engine")  # engine: vLLM's data-parallel engine index, here "0"
 
 
@@ -344,6 +346,8 @@ class _EngineCollector:
                      stats.kv_blocks_used)
         yield _gauge("jspec_kv_blocks_total", "Usable KV-cache blocks now (with elastic memory "
                      "the extension's too while the draft is offloaded)", stats.kv_blocks_total)
+        yield _gauge("jspec_kv_blocks_cached", "KV-cache blocks in the prefix cache (held by "
+                     "sequences or free for reuse)", stats.kv_blocks_cached)
         yield _gauge("jspec_draft_resident", "1 while the draft model's weights are on the "
                      "device", int(stats.draft_resident))
         parts = GaugeMetricFamily("jspec_device_memory_bytes", "Device memory held by the "
@@ -361,7 +365,11 @@ class _EngineCollector:
                 (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 "
                  "percent usage.", stats.kv_blocks_used / max(1, stats.kv_blocks_total)),
                 (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption "
-                 "from the engine.", m["num_preemptions"])):
+                 "from the engine.", m["num_preemptions"]),
+                (CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix cache queries, in "
+                 "terms of number of queried tokens.", m["prefix_cache_queries"]),
+                (CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of "
+                 "number of cached tokens.", m["prefix_cache_hits"])):
             metric = family(name, doc, labels=VLLM_LABELS)
             metric.add_metric(self._vllm_labels, value)
             yield metric
@@ -370,6 +378,13 @@ class _EngineCollector:
                  m["num_preemptions"]),
                 ("jspec_engine_requests_aborted", "Requests aborted in the engine",
                  m["num_requests_aborted"]),
+                ("jspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                 "(once per admitted request)", m["prefix_cache_queries"]),
+                ("jspec_prefix_cache_hits", "Prompt tokens whose target K/V came from the "
+                 "prefix cache", m["prefix_cache_hits"]),
+                ("jspec_prefix_cache_draft_hits", "Prompt tokens whose draft K/V came from the "
+                 "prefix cache (the first draft model's pool)",
+                 m["prefix_cache_draft_hits"][0]),
                 ("jspec_policy_time_seconds", "Time inside the policy's plan/select/observe",
                  m["policy_time"]),
                 ("jspec_num_pool_expansions", "Elastic memory: draft offloads that grew the KV "
@@ -383,6 +398,10 @@ class _EngineCollector:
                 ("jspec_draft_reload_dispatch_time_seconds", "Elastic memory: host time to "
                  "start the asynchronous draft reloads", m["draft_reload_dispatch_time"])):
             yield _counter(name, doc, value)
+        rate = m["prefix_cache_hit_rate"]
+        yield _gauge("jspec_prefix_cache_hit_rate", "Prefix-cache hits / queries since the "
+                     "engine started (tokens; NaN before the first query)",
+                     float("nan") if rate is None else rate)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -369,9 +369,12 @@ def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingPara
 
 
 # ----------------------------------------------------------------------------- responses
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` are the prompt tokens
+    served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def response_body(kind: str, request_id: str, created: int, model: str, choices: list[dict],

@@ -1,4 +1,5 @@
-"""BlockManager: allocation, rollback, forks with reference counts, page-table rows, invariants."""
+"""BlockManager: allocation, rollback, page-table rows, invariants (prefix caching and shared
+blocks: tests/test_prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -145,7 +146,6 @@ def test_free_returns_blocks_and_forgets_the_table():
     lambda bm: bm.truncate("ghost", 0),
     lambda bm: bm.block_table("ghost"),
     lambda bm: bm.num_slots("ghost"),
-    lambda bm: bm.fork("ghost", "child"),
     lambda bm: bm.fill_page_table(np.zeros((1, 4), np.int32), 0, "ghost"),
 ])
 def test_unknown_request_id_raises_key_error_naming_it(call):
@@ -160,44 +160,6 @@ def test_double_free_raises_key_error():
     bm.free("a")
     with pytest.raises(KeyError, match="'a'"):
         bm.free("a")
-
-
-def test_fork_shares_blocks_with_refcounts():
-    bm = BlockManager(8, 4)
-    bm.allocate("p", 8)
-    bm.fork("p", "c")
-    assert bm.block_table("c") == bm.block_table("p") == [1, 2]
-    assert bm.num_used_blocks == 2
-    bm.check_invariants()
-    bm.allocate("c", 12)  # child grows privately
-    assert bm.block_table("c") == [1, 2, 3]
-    bm.free("p")
-    assert bm.num_used_blocks == 3  # shared blocks survive: the child still holds them
-    bm.check_invariants()
-    bm.truncate("c", 4)
-    assert bm.block_table("c") == [1]
-    assert bm.num_used_blocks == 1
-    bm.free("c")
-    assert bm.num_free_blocks == 7
-    bm.check_invariants()
-
-
-def test_fork_truncating_one_side_keeps_shared_block_for_the_other():
-    bm = BlockManager(8, 4)
-    bm.allocate("p", 8)
-    bm.fork("p", "c")
-    bm.truncate("p", 0)
-    assert bm.block_table("c") == [1, 2]
-    assert bm.num_free_blocks == 5
-    bm.check_invariants()
-
-
-def test_fork_into_existing_child_is_an_error():
-    bm = BlockManager(8, 4)
-    bm.allocate("p", 4)
-    bm.allocate("c", 4)
-    with pytest.raises(ValueError, match="'c'"):
-        bm.fork("p", "c")
 
 
 def test_block_table_is_a_copy():
@@ -328,15 +290,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self._ids()))
         self.bm.free(rid)
         del self.model[rid]
-
-    @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(self._ids()))
-        child = f"r{self.counter}"
-        self.counter += 1
-        self.bm.fork(parent, child)
-        self.model[child] = self.model[parent]
 
     def _used(self) -> int:
         held = set()

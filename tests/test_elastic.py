@@ -44,11 +44,14 @@ def test_expanded_pool_prefers_base_blocks():
 
 
 def test_contraction_moves_live_blocks_into_free_base_blocks():
-    bm = BlockManager(12, 4, num_extension_blocks=5)
+    bm = BlockManager(12, 4, num_extension_blocks=5, enable_caching=True)
     bm.allocate("a", 6 * 4)
     bm.expand()
+    tokens = list(range(3 * 4))
+    bm.match_prefix("b", tokens)
     bm.allocate("b", 3 * 4)  # 7, 8, 9
-    bm.fork("b", "b2")  # a shared block moves once, for both tables
+    bm.cache_blocks("b", [12, 0], lambda: tokens)
+    assert bm.match_prefix("b2", tokens + [0]) == [12, 0]  # a shared block moves once, for both
     assert bm.contraction_plan() is None  # no free base block yet
     bm.free("a")
     moves = bm.contraction_plan()
@@ -57,7 +60,7 @@ def test_contraction_moves_live_blocks_into_free_base_blocks():
     assert not srcs & dsts
     bm.contract(moves)
     assert not bm.expanded and bm.block_table("b") == [1, 2, 3] == bm.block_table("b2")
-    assert bm.num_usable_blocks == 6 and bm.num_free_blocks == 3
+    assert bm.num_usable_blocks == 6 and bm.num_free_blocks == 3 and bm.num_cached_blocks == 3
     bm.check_invariants()
     out = np.zeros((1, 4), np.int32)
     bm.fill_page_table(out, 0, "b")

@@ -481,12 +481,15 @@ def test_reclaim_admits_nothing_after_a_preemption():
 
 
 def simulate(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
-             max_model_len: int, lookahead: int, chunked: bool, num_requests: int) -> None:
+             max_model_len: int, lookahead: int, chunked: bool, num_requests: int,
+             caching: bool = False):
+    """A random workload through the scheduler, committed as the engine commits. Prompts start
+    with runs of zeros of random length, so with ``caching`` they share prefixes all the time."""
     rng = random.Random(seed)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=max_model_len, lookahead_slots=lookahead,
                              enable_chunked_prefill=chunked)
-    bm = BlockManager(num_blocks, block_size)
+    bm = BlockManager(num_blocks, block_size, enable_caching=caching)
     sched = Scheduler(config, bm)
     capacity = min(max_model_len, (num_blocks - 1) * block_size)
     assert capacity >= 2
@@ -501,7 +504,9 @@ def simulate(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, bud
                 # the engine's admission check: prompt + max_tokens must fit the pool and model
                 prompt = rng.randint(1, capacity - 1)
                 limits[f"r{added}"] = prompt + rng.randint(1, capacity - prompt)
-                sched.add(Sequence(request_id=f"r{added}", prompt_token_ids=[0] * prompt,
+                shared = rng.randint(0, prompt)
+                tokens = [0] * shared + [rng.randint(0, 1) for _ in range(prompt - shared)]
+                sched.add(Sequence(request_id=f"r{added}", prompt_token_ids=tokens,
                                    sampling_params=None, arrival_index=arrival))
                 added += 1
                 arrival += 1
@@ -548,11 +553,13 @@ def simulate(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, bud
             seq = item.seq
             seq.num_computed += item.num_new_tokens
             if not item.samples:
+                bm.cache_blocks(seq.request_id, [seq.num_computed, 0], seq.token_ids)
                 continue
             accepted = rng.randint(0, item.num_lookahead_slots)
             room = limits[seq.request_id] - seq.num_tokens
             seq.output_token_ids.extend([1] * min(1 + accepted, room))
             seq.num_computed = seq.num_tokens - 1
+            bm.cache_blocks(seq.request_id, [seq.num_computed, 0], seq.token_ids)
             if seq.num_tokens >= limits[seq.request_id] or rng.random() < 0.02:
                 sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
             else:
@@ -564,32 +571,44 @@ def simulate(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, bud
         raise AssertionError("the simulated engine did not finish: livelock")
     assert bm.num_free_blocks == bm.num_usable_blocks
     assert bm.num_used_blocks == 0
+    if caching:
+        assert bm.stats.queries >= num_requests and bm.stats.hits <= bm.stats.queries
+        return bm.stats
+    else:
+        assert bm.num_cached_blocks == 0
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), num_blocks=st.integers(2, 48),
        block_size=st.sampled_from([1, 2, 4, 16]), max_num_seqs=st.integers(1, 8),
        extra_budget=st.integers(0, 40), max_model_len=st.integers(2, 160),
-       lookahead=st.integers(0, 6), chunked=st.booleans(), num_requests=st.integers(1, 40))
+       lookahead=st.integers(0, 6), chunked=st.booleans(), num_requests=st.integers(1, 40),
+       caching=st.booleans())
 def test_randomized_engine_loop(seed, num_blocks, block_size, max_num_seqs, extra_budget,
-                                max_model_len, lookahead, chunked, num_requests):
+                                max_model_len, lookahead, chunked, num_requests, caching):
     num_blocks = max(num_blocks, 1 + -(-2 // block_size))  # room for a 1-token prompt + 1
     budget = max(max_num_seqs, 1 + lookahead) + extra_budget
     if not chunked:
         budget = max(budget, max_model_len)
     simulate(seed, num_blocks, block_size, max_num_seqs, budget, max_model_len, lookahead,
-             chunked, num_requests)
+             chunked, num_requests, caching)
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("seed", range(3))
-def test_engine_loop_under_memory_pressure(seed, chunked):
-    """Many long sequences in a pool that holds only a few: lots of preemption."""
+def test_engine_loop_under_memory_pressure(seed, chunked, caching):
+    """Many long sequences in a pool that holds only a few: lots of preemption (and, with
+    caching, preempted sharers and evictions)."""
     simulate(seed, num_blocks=9, block_size=4, max_num_seqs=6, budget=32, max_model_len=32,
-             lookahead=4, chunked=chunked, num_requests=40)
+             lookahead=4, chunked=chunked, num_requests=40, caching=caching)
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("seed", range(2))
-def test_engine_loop_wide_batch(seed):
-    simulate(seed, num_blocks=200, block_size=8, max_num_seqs=32, budget=256,
-             max_model_len=512, lookahead=5, chunked=True, num_requests=120)
+def test_engine_loop_wide_batch(seed, caching):
+    stats = simulate(seed, num_blocks=200, block_size=8, max_num_seqs=32, budget=256,
+                     max_model_len=512, lookahead=5, chunked=True, num_requests=120,
+                     caching=caching)
+    if caching:  # shared runs of zeros: a good share of the prompts comes from the cache
+        assert stats.hits > 0.1 * stats.queries

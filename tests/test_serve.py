@@ -392,6 +392,29 @@ def test_vllm_metric_names(server, client):
     assert m[f"vllm:request_generation_tokens_sum{{{engine}}}"] >= 6
 
 
+def test_prefix_cache_metrics_and_usage(server, client):
+    """A prompt sent twice: the second answer's usage names the cached prompt tokens, and
+    vLLM's prefix-cache counters on /metrics agree with jspec's and with the engine's."""
+    prompt = " ".join(PROMPTS * 2)  # longer than a KV block
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    block = server.app.engine.limits.block_size
+    n = first.usage.prompt_tokens
+    assert n > block
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // block * block
+    m = wait_idle(server.url)
+    stats = server.app.engine.stats()
+    engine = f'engine="0",model_name="{MODEL}"'
+    for name in ("queries", "hits"):
+        assert (m[f"vllm:prefix_cache_{name}_total{{{engine}}}"]
+                == m[f"jspec_prefix_cache_{name}_total"]
+                == stats.metrics[f"prefix_cache_{name}"])
+    assert m[f"vllm:prefix_cache_hits_total{{{engine}}}"] >= (n - 1) // block * block
+    assert m["jspec_kv_blocks_cached"] == stats.kv_blocks_cached >= (n - 1) // block
+    assert 0 < m["jspec_prefix_cache_hit_rate"] < 1
+
+
 def test_step_metrics_come_from_every_step(server, client):
     """The step listener's series count the steps the engine ran and agree with its own
     counters; the gauges come from stats()."""

@@ -152,11 +152,12 @@ def measure_prefill(engine, length: int) -> dict:
     from jspec.sampling_params import SamplingParams
 
     rng = np.random.default_rng(length)
-    prompt = rng.integers(10, engine.target.cfg.vocab_size, length).tolist()
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def run(rid):
-        engine.add_request(rid, prompt, sp)
+        # a new prompt each time: the same one again would come from the prefix cache
+        engine.add_request(rid, rng.integers(10, engine.target.cfg.vocab_size,
+                                             length).tolist(), sp)
         states = []
         t = time.perf_counter()
         while engine.has_unfinished_requests():
