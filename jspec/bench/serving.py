@@ -8,16 +8,42 @@ are compared side by side on identical requests at identical times. For example:
     jspec bench serving --policy off static:gamma=2 nightjar --workload code \\
         --arrivals poisson --rate 4 --num-requests 200 --max-tokens 128 --out run.json
 
-The driver is open-loop: every request is sent at its scheduled arrival time (an asyncio task
-sleeping until then) whatever the engine's state, and its stream is consumed as it comes; the
-time each chunk reaches the client is recorded (``serving_metrics`` has every definition). The
-engine's own steps are recorded by wrapping ``LLMEngine.step`` on the instance for the run (no
-engine change): per step, its batch size, the γ the policy chose for each decoding sequence
-(summed, with the max), verified / accepted / emitted tokens, prefill tokens and queue depths.
+The driver is open-loop (single-request workloads): every request is sent at its scheduled arrival
+time (an asyncio task sleeping until then) whatever the engine's state, and its stream is consumed
+as it comes; the time each chunk reaches the client is recorded (``serving_metrics`` has every
+definition). The engine's own steps are recorded by wrapping ``LLMEngine.step`` on the instance for
+the run (no engine change): per step, its batch size, the γ the policy chose for each decoding
+sequence (summed, with the max), verified / accepted / emitted tokens, prefill tokens and queue
+depths.
+
+Workloads (``--workload``, ``jspec.bench.workloads``): code, spec-bench, alpaca and sharegpt are
+single requests; ``multiturn`` is conversations, each arrival the start of one (``--num-requests``
+counts conversations). Its driver is closed-loop per conversation: turn k+1 is sent ``--think-time``
+seconds after turn k's last chunk arrived, its prompt the token ids of turn k's prompt + turn k's
+output (the engine's own answer, as a chat client resends it) + the new user message wrapped as
+``"\\n\\nUser: {msg}\\n\\nAssistant:"``, so every turn's prompt starts with the previous one bit for
+bit: what prefix caching reuses. A conversation ends early (counted as truncated) when its next
+prompt + output budget would exceed the engine's context limit. The conversations come from a
+ShareGPT-format file (``--workload-file``; default: the shared ``ShareGPT_V3_filtered_500.json``).
+That shipped file holds only each conversation's FIRST human message, so there a conversation is
+``--turns K`` (default 4) consecutive entries, i.e. several users' opening messages in a row, not
+real follow-ups; a full ShareGPT file (alternating "human" / "gpt" turns) gives real conversations,
+their first K human turns (the "gpt" replies are dropped for the engine's). Records carry
+``conversation_id`` and ``turn`` (1 = the first message; request ids ``conv-C-turn-T``), and the
+metrics add ``by_turn``: TTFT / TPOT / E2E statistics of first turns, of later turns (turn ≥ 2, TTFT
+from when the message was due) and of each turn, and ``conversations`` (how many ran, were truncated
+or failed, turns sent).
+
+Prefix caching (``--prefix-caching on|off|both``): on (the engine's default) or off in every engine,
+or ``both``: each policy runs with it and then without it (labelled ``NAME -prefix-cache``, engine
+option ``enable_prefix_caching=False``), and the table is followed by the with / without ratios of
+throughput and TTFT p50 (all, first turns, later turns). Every run's metrics copy the engine's
+prefix-cache counters (``prefix_cache_queries``, ``prefix_cache_hits`` in tokens,
+``prefix_cache_hit_rate``; ``prefix_cache_blocks``, the blocks cached at the end).
 
 ``--warmup-requests N`` lets each adaptive policy (not off / static) serve the first N requests
 of the schedule, unmeasured, on the engine it is then measured on (policy state kept, engine
-counters reset): a long-running server's state rather than a cold start. ``--synthetic SHAPE``
+counters reset, prefix cache emptied): a long-running server's state rather than a cold start. ``--synthetic SHAPE``
 and ``--synthetic-acceptance SPEC`` select the cost-realistic mode (``jspec.synthetic``); its
 results are labelled SYNTHETIC in the table, the JSON and the figures.
 
@@ -25,11 +51,14 @@ Policies: ``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE]`` (``static:gamma=2``); ``--p
 KEY=VALUE`` applies to every listed policy except ``off``, ``--policy-option NAME.KEY=VALUE`` to
 policy NAME only (e.g. ``adaspec.profile=profile.json``).
 
-Output: a table comparing the runs (throughput relative to the first run and to the best
-fixed choice, ``off`` and ``static``, of this invocation) and, with ``--out``, one JSON file:
-config, workload, arrivals, and per policy run the metrics, γ per batch-size bucket, the binned
-time series, the per-step records and the per-request records (arrival, chunk times and token
-counts, finish, speculation counters). ``--plot DIR`` draws ``jspec.bench.plots``' figures.
+Output: a table comparing the runs (throughput relative to the first run and to the best fixed
+choice, ``off`` and ``static``, of this invocation; with conversations also TTFT p50 of first and
+later turns, and the later turns' relative to the first run) and, with ``--out``, one JSON file:
+config, workload, arrivals, and per policy run the metrics, γ per batch-size bucket, the binned time
+series, the per-step records and the per-request records (arrival, chunk times and token counts,
+finish, speculation counters; multiturn: conversation and turn, and per conversation its turns'
+prompt and output lengths), and with ``--prefix-caching both`` the ``prefix_cache_comparison``
+ratios. ``--plot DIR`` draws ``jspec.bench.plots``' figures.
 """
 
 from __future__ import annotations
@@ -43,13 +72,14 @@ import math
 import os
 import sys
 import time
+import zlib
 from typing import Any
 
 from jspec.bench import arrivals as arr
 from jspec.bench import workloads as wl
 from jspec.cli_common import add_tensor_parallel_argument
 from jspec.bench.serving_metrics import (RequestRecord, StepRecords, compute_metrics,
-                                         gamma_by_batch, summarize, time_series)
+                                         gamma_by_batch, summarize, time_series, turn_metrics)
 
 FORMAT = "jspec-serving-bench-v1"
 ARRIVALS = ("poisson", "batch", "step", "burst", "trace")
@@ -87,6 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     models.add_argument("--elastic-pool-layout", choices=("auto", "segments", "preallocated"),
                         default=None, help="where the elastic runs keep the KV extension "
                         "(default: auto = preallocated on CPU, segments on GPU/TPU)")
+    models.add_argument("--prefix-caching", choices=("on", "off", "both"), default="on",
+                        help="automatic prefix caching in every engine (on, the engine's "
+                             "default; off), or both: every policy runs twice, with caching "
+                             f"and without, the latter labelled 'NAME{NO_CACHE_SUFFIX}', and "
+                             "the table is followed by the with / without ratios "
+                             "(default: %(default)s)")
 
     syn = p.add_argument_group("cost-realistic synthetic mode (jspec/synthetic.py)")
     syn.add_argument("--synthetic", metavar="SHAPE", default=None,
@@ -111,16 +147,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "repeatable")
 
     work = p.add_argument_group("workload")
-    work.add_argument("--workload", choices=wl.WORKLOADS, default="code")
+    work.add_argument("--workload", choices=wl.WORKLOADS, default="code",
+                      help="prompt source (default: %(default)s); multiturn: conversations, "
+                           "each user turn sent when the previous one's answer has streamed "
+                           "back, its prompt the whole conversation so far (see --turns)")
     work.add_argument("--workload-file", metavar="PATH",
                       help="the workload's data file (default: the shared data directory's)")
     work.add_argument("--max-tokens", type=int, default=128,
                       help="output tokens per request; caps a trace's GeneratedTokens "
                            "(default: %(default)s)")
     work.add_argument("--max-prompt-tokens", type=int, default=None,
-                      help="cap on prompt tokens (default: only the context limit)")
+                      help="cap on prompt tokens (default: only the context limit); multiturn: "
+                           "on each user message's tokens (the wrapper excluded)")
     work.add_argument("--context-scale", type=float, default=1.0,
                       help="multiply a trace's ContextTokens by this (default: %(default)s)")
+    work.add_argument("--turns", type=int, default=None, metavar="K",
+                      help="multiturn: user turns per conversation (default: "
+                           f"{wl.DEFAULT_TURNS}): single-turn entries (the shipped ShareGPT "
+                           "file's) are grouped K at a time into one conversation, a "
+                           "multi-turn entry keeps its first K human turns")
+    work.add_argument("--think-time", type=float, default=None, metavar="SECONDS",
+                      help="multiturn: the pause between an answer's last token and the "
+                           "user's next message (default: 0)")
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="generate every budgeted token (default: on, so output lengths are "
@@ -129,7 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="before its measured run, each adaptive policy (not off / static) "
                            "serves the first N requests of the same schedule unmeasured, so it "
                            "is measured in the state a long-running server reaches, not while "
-                           "it learns from nothing")
+                           "it learns from nothing (multiturn: the first N conversations)")
     work.add_argument("--seed", type=int, default=0,
                       help="seeds prompt sampling, arrivals and per-request sampling")
 
@@ -157,7 +205,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="seconds of arrivals (a trace: of replay, i.e. after time scaling)")
     load.add_argument("--num-requests", type=int, default=None,
                       help=f"at most this many requests (default {DEFAULT_NUM_REQUESTS} when "
-                           f"no --duration is given, except for a trace)")
+                           f"no --duration is given, except for a trace); multiturn: "
+                           f"conversations, each arrival starting one")
 
     out = p.add_argument_group("metrics and output")
     out.add_argument("--tpot-slo-ms", type=float, default=100.0,
@@ -213,6 +262,19 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
             label = f"{label} #{labels[label]}"
         runs.append({"label": label, "name": name, "options": opts, "engine": {}})
     return runs
+
+
+NO_CACHE_SUFFIX = " -prefix-cache"  # the label of a policy's run without prefix caching
+
+
+def with_prefix_cache_runs(policies: list[dict]) -> list[dict]:
+    """Each policy (run with prefix caching, the engine's default) followed by the same policy
+    on an engine without it (``--prefix-caching both``)."""
+    out = []
+    for p in policies:
+        out += [p, {**p, "label": p["label"] + NO_CACHE_SUFFIX,
+                    "engine": {**p.get("engine", {}), "enable_prefix_caching": False}}]
+    return out
 
 
 def with_elastic_runs(policies: list[dict], args: argparse.Namespace) -> list[dict]:
@@ -299,50 +361,175 @@ class StepRecorder:
             num_running=o.num_running, num_waiting=o.num_waiting)
 
 
+class _Progress:
+    """The drivers' progress bar: requests done, output tokens/s so far."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, t0: float):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="req", disable=not enabled,
+                        file=sys.stderr)
+        self.t0, self.tokens = t0, 0
+
+    def done(self, rec: RequestRecord) -> None:
+        self.tokens += rec.num_output_tokens
+        self.bar.update(1)
+        self.bar.set_postfix(
+            tok_s=f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):.1f}")
+
+    def drop(self, n: int) -> None:
+        """``n`` requests counted in the total will not be sent (a conversation ended)."""
+        if n > 0:
+            self.bar.total -= n
+            self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def new_record(req: wl.BenchRequest) -> RequestRecord:
+    return RequestRecord(request_id=req.request_id, arrival=req.arrival,
+                         prompt_tokens=len(req.prompt_token_ids), max_tokens=req.max_tokens,
+                         category=req.category, conversation_id=req.conversation_id,
+                         turn=req.turn)
+
+
+async def send_request(aengine, req: wl.BenchRequest, rec: RequestRecord, sampling,
+                       t0: float) -> list[int] | None:
+    """Send ``req`` now, consume its stream and record its timeline in ``rec`` (times on the
+    benchmark clock, zero at ``t0``); returns its output token ids, None when it failed (the
+    error is recorded and counted, the run goes on). Both drivers send every request through
+    here."""
+    rec.submit = time.perf_counter() - t0
+    output = None
+    try:
+        async for out in aengine.generate(req.prompt_token_ids, sampling(req), req.request_id):
+            now = time.perf_counter() - t0
+            n = len(out.delta_token_ids)
+            if n or out.finished:
+                rec.chunk_times.append(now)
+                rec.chunk_tokens.append(n)
+            if out.finished:
+                rec.finish, rec.finish_reason = now, out.finish_reason
+                s = out.spec
+                rec.num_drafted, rec.num_accepted = s.num_drafted, s.num_accepted
+                rec.num_spec_steps, rec.num_steps = s.num_spec_steps, s.num_steps
+                output = list(out.token_ids)
+    except Exception as e:  # recorded and counted as failed, the run goes on
+        rec.error = f"{type(e).__name__}: {e}"
+        output = None
+    return output
+
+
 async def drive(aengine, requests: list[wl.BenchRequest], sampling, recorder: StepRecorder,
                 progress: bool = True, desc: str = "serving") -> list[RequestRecord]:
     """Send each request at its arrival time, consume its stream, and record the timeline.
     ``sampling(request) -> SamplingParams``."""
-    from tqdm.auto import tqdm
-
-    records = [RequestRecord(request_id=r.request_id, arrival=r.arrival,
-                             prompt_tokens=len(r.prompt_token_ids), max_tokens=r.max_tokens,
-                             category=r.category) for r in requests]
-    bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not progress,
-               file=sys.stderr)
-    state = {"tokens": 0}
+    records = [new_record(r) for r in requests]
     t0 = time.perf_counter()
     recorder.t0 = t0
+    bar = _Progress(len(requests), desc, progress, t0)
 
     async def one(req: wl.BenchRequest, rec: RequestRecord) -> None:
         delay = t0 + req.arrival - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        rec.submit = time.perf_counter() - t0
-        try:
-            async for out in aengine.generate(req.prompt_token_ids, sampling(req),
-                                              req.request_id):
-                now = time.perf_counter() - t0
-                n = len(out.delta_token_ids)
-                if n or out.finished:
-                    rec.chunk_times.append(now)
-                    rec.chunk_tokens.append(n)
-                if out.finished:
-                    rec.finish, rec.finish_reason = now, out.finish_reason
-                    s = out.spec
-                    rec.num_drafted, rec.num_accepted = s.num_drafted, s.num_accepted
-                    rec.num_spec_steps, rec.num_steps = s.num_spec_steps, s.num_steps
-        except Exception as e:  # recorded and counted as failed, the run goes on
-            rec.error = f"{type(e).__name__}: {e}"
-        state["tokens"] += rec.num_output_tokens
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{state['tokens'] / max(time.perf_counter() - t0, 1e-9):.1f}")
+        await send_request(aengine, req, rec, sampling, t0)
+        bar.done(rec)
 
     try:
         await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records)))
     finally:
         bar.close()
     return records
+
+
+@dataclasses.dataclass
+class ConversationRun:
+    """What one conversation did in a run: every sent turn's prompt ids and output ids."""
+
+    conversation_id: int
+    turns_planned: int
+    prompts: list[list[int]] = dataclasses.field(default_factory=list)
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)  # [] for a failed turn
+    # ended early because its next prompt + output budget would exceed the context limit
+    truncated: bool = False
+    failed: bool = False  # ended early because a turn failed (an error or an abort)
+
+    @property
+    def turns_sent(self) -> int:
+        return len(self.prompts)
+
+    def as_dict(self) -> dict:
+        return {"conversation_id": self.conversation_id, "turns_planned": self.turns_planned,
+                "turns_sent": self.turns_sent, "truncated": self.truncated,
+                "failed": self.failed, "prompt_tokens": [len(p) for p in self.prompts],
+                "output_tokens": [len(o) for o in self.outputs]}
+
+
+def conversation_summary(runs: list[ConversationRun]) -> dict:
+    return {"num_conversations": len(runs),
+            "num_truncated": sum(r.truncated for r in runs),
+            "num_failed": sum(r.failed for r in runs),
+            "turns_planned": sum(r.turns_planned for r in runs),
+            "turns_sent": sum(r.turns_sent for r in runs),
+            "turns_sent_per_conversation": summarize(r.turns_sent for r in runs)}
+
+
+async def drive_conversations(aengine, conversations: list[wl.BenchConversation], sampling,
+                              recorder: StepRecorder, *, context_limit: int,
+                              think_time: float = 0.0, progress: bool = True,
+                              desc: str = "serving"
+                              ) -> tuple[list[RequestRecord], list[ConversationRun]]:
+    """Closed loop per conversation: its first turn is sent at its arrival time, and each next
+    turn ``think_time`` seconds after the previous turn's last chunk arrived (its arrival, on
+    the benchmark clock, that moment); turn k's prompt = turn k−1's prompt + its output ids +
+    turn k's message (``wl.build_conversations``). A conversation ends early when the next
+    prompt + output budget would exceed ``context_limit`` (truncated) or a turn fails. Request
+    ids are ``conv-{conversation}-turn-{turn}`` (turns from 1). Returns the records, by
+    conversation then turn, and each conversation's ``ConversationRun``."""
+    t0 = time.perf_counter()
+    recorder.t0 = t0
+    bar = _Progress(sum(len(c.turns) for c in conversations), desc, progress, t0)
+    runs = [ConversationRun(c.conversation_id, len(c.turns)) for c in conversations]
+    records: list[list[RequestRecord]] = [[] for _ in conversations]
+
+    async def one(conv: wl.BenchConversation, run: ConversationRun,
+                  recs: list[RequestRecord]) -> None:
+        due, context = conv.arrival, []
+        for turn, added in enumerate(conv.turns, 1):
+            ids = context + added
+            if len(ids) + conv.max_tokens > context_limit:
+                run.truncated = True
+                bar.drop(len(conv.turns) - turn + 1)
+                return
+            delay = t0 + due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            req = wl.BenchRequest(
+                request_id=f"conv-{conv.conversation_id}-turn-{turn}", arrival=due,
+                prompt_token_ids=ids, max_tokens=conv.max_tokens, category=conv.category,
+                prompt_index=conv.conversation_index, conversation_id=conv.conversation_id,
+                turn=turn)
+            rec = new_record(req)
+            recs.append(rec)
+            run.prompts.append(ids)
+            output = await send_request(aengine, req, rec, sampling, t0)
+            bar.done(rec)
+            run.outputs.append(output or [])
+            if output is None or not rec.ok or rec.finish_reason == "abort":
+                run.failed = True
+                bar.drop(len(conv.turns) - turn)
+                return
+            context = ids + output
+            due = rec.finish + think_time
+
+    try:
+        await asyncio.gather(*(one(c, run, recs)
+                               for c, run, recs in zip(conversations, runs, records)))
+    finally:
+        bar.close()
+    return [r for recs in records for r in recs], runs
 
 
 def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
@@ -364,10 +551,24 @@ def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
                         **{**engine_kwargs, **policy.get("engine", {})})
 
 
+PREFIX_CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
+
+
+def request_seed(seed: int, req: wl.BenchRequest) -> int:
+    """The request's sampling seed: from its number (``req-N``), or, for a conversation's turn,
+    from its id (``conv-C-turn-T``), so every policy samples a request alike."""
+    if req.conversation_id is None:
+        key = int(req.request_id[4:])
+    else:
+        key = zlib.crc32(req.request_id.encode())
+    return (seed * 1_000_003 + key) % 2**31
+
+
 def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requests,
                engine=None) -> dict:
-    """Run one policy over the requests on a fresh engine (or ``engine``, already built and
-    warmed up for this policy); returns the run's results."""
+    """Run one policy over the requests (``BenchRequest``s, or ``BenchConversation``s for the
+    multiturn workload) on a fresh engine (or ``engine``, already built and warmed up for this
+    policy); returns the run's results."""
     from jspec.async_engine import AsyncLLMEngine
     from jspec.sampling_params import SamplingParams
 
@@ -377,13 +578,25 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
         t = time.perf_counter()
         engine.warmup()
         compile_s = time.perf_counter() - t
+    multiturn = bool(requests) and isinstance(requests[0], wl.BenchConversation)
+    # the conversations' limit: the first engine's (run()), the same for every policy
+    context_limit = getattr(args, "context_limit_resolved", None) or engine.limits.context_limit
     for r in requests:  # cheap, and a failure here is a harness bug, not a benchmark result
-        engine.validate_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens))
+        # (a conversation's later prompts are built as it runs, within context_limit)
+        engine.validate_request(r.turns[0] if multiturn else r.prompt_token_ids,
+                                SamplingParams(max_tokens=r.max_tokens))
 
     def sampling(req: wl.BenchRequest) -> SamplingParams:
         return SamplingParams(max_tokens=req.max_tokens, temperature=args.temperature,
-                              ignore_eos=args.ignore_eos,
-                              seed=(args.seed * 1_000_003 + int(req.request_id[4:])) % 2**31)
+                              ignore_eos=args.ignore_eos, seed=request_seed(args.seed, req))
+
+    def run_driver(reqs, recorder, progress, desc="serving"):
+        if not multiturn:
+            return asyncio.run(drive(aengine, reqs, sampling, recorder, progress=progress,
+                                     desc=desc)), None
+        return asyncio.run(drive_conversations(
+            aengine, reqs, sampling, recorder, context_limit=context_limit,
+            think_time=args.think_time or 0.0, progress=progress, desc=desc))
 
     aengine = AsyncLLMEngine(engine)
     warm = requests[:args.warmup_requests] if policy["name"] not in ("off", "static") else []
@@ -393,16 +606,18 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
         if warm:
             # the same requests at the same times, under other ids; then the engine's counters
             # start again from zero while the policy keeps what it learned
-            warm = [dataclasses.replace(r, request_id=f"req-{10_000_000 + i}")
+            warm = [dataclasses.replace(r, conversation_id=10_000_000 + i) if multiturn else
+                    dataclasses.replace(r, request_id=f"req-{10_000_000 + i}")
                     for i, r in enumerate(warm)]
             with StepRecorder(engine) as warm_recorder:
-                asyncio.run(drive(aengine, warm, sampling, warm_recorder, progress=False))
+                run_driver(warm, warm_recorder, progress=False)
             engine.reset_metrics()
+            engine.reset_prefix_cache()  # the measured requests must not find the warm-up's
             warmup_s = time.perf_counter() - start
             start = time.perf_counter()
         with StepRecorder(engine) as recorder:
-            records = asyncio.run(drive(aengine, requests, sampling, recorder,
-                                        progress=not args.no_progress, desc=policy["label"]))
+            records, conversations = run_driver(requests, recorder, not args.no_progress,
+                                                policy["label"])
     finally:
         aengine.shutdown()
     wall = time.perf_counter() - start
@@ -422,9 +637,16 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
     metrics["num_pool_expansions"] = em["num_pool_expansions"]
     metrics["num_pool_contractions"] = em["num_pool_contractions"]
     metrics["policy_time_per_step_s"] = em["policy_time_per_step"]
+    for key in PREFIX_CACHE_KEYS:
+        metrics[key] = em[key]
+    metrics["prefix_cache_blocks"] = engine.stats().kv_blocks_cached  # cached at the end
+    if multiturn:
+        metrics["by_turn"] = turn_metrics(records)
+        metrics["conversations"] = conversation_summary(conversations)
     result = {
         "label": policy["label"], "policy": policy["name"],
         "engine_options": dict(policy.get("engine", {})),
+        "prefix_caching": engine.config.enable_prefix_caching,
         "policy_options": {k: str(v) if not isinstance(v, (int, float, bool)) else v
                            for k, v in policy["options"].items()},
         "compile_s": compile_s, "wall_s": wall,
@@ -442,6 +664,8 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
             result["warmup_steps"] = warm_recorder.steps.as_dict()
         result["policy_state"] = engine.policy.state_dict()  # what it knows at the end
         result["requests"] = [r.as_dict() for r in records]
+        if multiturn:
+            result["conversations"] = [c.as_dict() for c in conversations]
     return result
 
 
@@ -451,7 +675,9 @@ def _mean_tree(trees: list):
     that are not None, None where all are; non-numeric leaves from the first)."""
     first = trees[0]
     if isinstance(first, dict):
-        return {k: _mean_tree([t.get(k) for t in trees]) for k in first}
+        # (a round may lack a key the first has: a conversation turn it never reached)
+        return {k: _mean_tree([t.get(k) if isinstance(t, dict) else None for t in trees])
+                for k in first}
     if isinstance(first, (int, float)) and not isinstance(first, bool) or first is None:
         vals = [t for t in trees if isinstance(t, (int, float)) and not isinstance(t, bool)]
         return sum(vals) / len(vals) if vals else None
@@ -477,18 +703,33 @@ def policy_rows(results: dict) -> list[dict]:
     return results.get("summary") or results["runs"]
 
 
+def ttft_p50(metrics: dict, turns: str | None = None) -> float | None:
+    """TTFT p50 over all requests, or over a conversation's ``first`` or ``later`` turns
+    (None without per-turn metrics)."""
+    if turns is None:
+        return metrics["ttft_s"]["p50"]
+    return ((metrics.get("by_turn") or {}).get(turns) or {}).get("ttft_s", {}).get("p50")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def comparison(runs: list[dict]) -> list[dict]:
     """Per run: throughput relative to the first run and to the best fixed choice (off /
-    static) of the same invocation, p90 TPOT relative to that best fixed run's."""
+    static) of the same invocation, p90 TPOT relative to that best fixed run's; for
+    conversations, TTFT p50 of the later turns (turn ≥ 2) relative to the first run's."""
     fixed = [r for r in runs if r["policy"] in ("off", "static")]
     best = max(fixed, key=lambda r: r["metrics"]["output_tokens_per_s"]) if fixed else None
     first = runs[0]["metrics"]["output_tokens_per_s"] if runs else 0.0
+    first_later = ttft_p50(runs[0]["metrics"], "later") if runs else None
     rows = []
     for r in runs:
         m = r["metrics"]
         tps = m["output_tokens_per_s"]
         row = {"label": r["label"], "output_tokens_per_s": tps,
                "vs_first": tps / first if first else None,
+               "ttft_later_p50_vs_first": _ratio(ttft_p50(m, "later"), first_later),
                "best_fixed": best["label"] if best else None,
                "vs_best_fixed": None, "tpot_p90_vs_best_fixed": None}
         if best is not None:
@@ -501,28 +742,85 @@ def comparison(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def prefix_cache_comparison(runs: list[dict]) -> list[dict]:
+    """Per policy run both with and without prefix caching (``--prefix-caching both``: the
+    latter labelled NAME + NO_CACHE_SUFFIX), the with / without ratios: throughput (> 1: caching
+    is faster) and TTFT p50 overall, of first turns and of later turns (< 1: caching answers
+    sooner)."""
+    by_label = {r["label"]: r for r in runs}
+    out = []
+    for off in runs:
+        if not off["label"].endswith(NO_CACHE_SUFFIX):
+            continue
+        on = by_label.get(off["label"][:-len(NO_CACHE_SUFFIX)])
+        if on is None:
+            continue
+        a, b = on["metrics"], off["metrics"]
+        out.append({
+            "on": on["label"], "off": off["label"],
+            "output_tokens_per_s_ratio": _ratio(a["output_tokens_per_s"],
+                                                b["output_tokens_per_s"]),
+            "ttft_p50_ratio": _ratio(ttft_p50(a), ttft_p50(b)),
+            "ttft_p50_first_turn_ratio": _ratio(ttft_p50(a, "first"), ttft_p50(b, "first")),
+            "ttft_p50_later_turns_ratio": _ratio(ttft_p50(a, "later"), ttft_p50(b, "later")),
+            "prefix_cache_hit_rate": a.get("prefix_cache_hit_rate")})
+    return out
+
+
+def format_prefix_cache_comparison(rows: list[dict]) -> str:
+    lines = ["prefix caching on / off (tok/s > 1 and TTFT < 1: caching helps):"]
+    for c in rows:
+        lines.append(
+            f"  {c['on']}: tok/s ×{_fmt(c['output_tokens_per_s_ratio'], '.3f')}, TTFT p50 "
+            f"×{_fmt(c['ttft_p50_ratio'], '.3f')} (first turn "
+            f"×{_fmt(c['ttft_p50_first_turn_ratio'], '.3f')}, later turns "
+            f"×{_fmt(c['ttft_p50_later_turns_ratio'], '.3f')}), hit rate with caching "
+            f"{_fmt(c['prefix_cache_hit_rate'], '.3f')}")
+    return "\n".join(lines)
+
+
 def _fmt(x, spec: str, scale: float = 1.0) -> str:
     return "-" if x is None else format(x * scale, spec)
 
 
 def format_table(runs: list[dict], rows: list[dict]) -> str:
-    head = (f"{'policy':<22} {'tok/s':>8} {'×first':>7} {'×bestfix':>8} {'goodput':>8} "
+    """The comparison table; conversations (the multiturn workload) add TTFT p50 of first and
+    later turns and the later turns' ratio to the first run, and a prefix-cache hit rate adds
+    its column."""
+    turns = any(r["metrics"].get("by_turn") for r in runs)
+    hits = any(r["metrics"].get("prefix_cache_hit_rate") is not None for r in runs)
+    w = max([22] + [len(r["label"]) for r in runs])
+    head = (f"{'policy':<{w}} {'tok/s':>8} {'×first':>7} {'×bestfix':>8} {'goodput':>8} "
             f"{'SLO%':>5} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} {'p90':>8} {'ITL p90':>8} "
             f"{'accept':>6} {'acc.len':>7} {'mean γ':>6} {'preempt':>7}")
+    if turns:
+        head += f" {'TTFT1 p50':>9} {'TTFT2+ p50':>10} {'×first':>7}"
+    if hits:
+        head += f" {'hit%':>5}"
     lines = [head, "-" * len(head)]
     for r, c in zip(runs, rows):
         m = r["metrics"]
+        extra = ""
+        if turns:
+            extra += (f" {_fmt(ttft_p50(m, 'first'), '.1f', 1e3):>9} "
+                      f"{_fmt(ttft_p50(m, 'later'), '.1f', 1e3):>10} "
+                      f"{_fmt(c.get('ttft_later_p50_vs_first'), '.3f'):>7}")
+        if hits:
+            extra += f" {_fmt(m.get('prefix_cache_hit_rate'), '.1f', 100):>5}"
         lines.append(
-            f"{r['label'][:22]:<22} {m['output_tokens_per_s']:>8.1f} "
+            f"{r['label']:<{w}} {m['output_tokens_per_s']:>8.1f} "
             f"{_fmt(c['vs_first'], '.3f'):>7} {_fmt(c['vs_best_fixed'], '.3f'):>8} "
             f"{m['goodput_requests_per_s']:>8.3f} {100 * m['slo_attainment']:>5.1f} "
             f"{_fmt(m['ttft_s']['p50'], '.1f', 1e3):>9} {_fmt(m['ttft_s']['p90'], '.1f', 1e3):>8} "
             f"{_fmt(m['tpot_s']['p50'], '.2f', 1e3):>9} {_fmt(m['tpot_s']['p90'], '.2f', 1e3):>8} "
             f"{_fmt(m['itl_s']['p90'], '.2f', 1e3):>8} {m['acceptance_rate']:>6.3f} "
             f"{m['mean_accepted_length']:>7.2f} {m['mean_gamma']:>6.2f} "
-            f"{_fmt(m.get('num_preemptions'), '.0f'):>7}")
+            f"{_fmt(m.get('num_preemptions'), '.0f'):>7}" + extra)
     lines.append("(latencies in ms; goodput = requests/s meeting the SLO; ×bestfix = "
-                 "throughput / best of off and static in this run)")
+                 "throughput / best of off and static in this run"
+                 + ("; TTFT1 / TTFT2+ = first turn / later turns of a conversation, their "
+                    "×first = TTFT2+ / the first row's" if turns else "")
+                 + ("; hit% = prompt tokens found in the prefix cache" if hits else "") + ")")
     return "\n".join(lines)
 
 
@@ -577,23 +875,36 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    multiturn = args.workload == "multiturn"
+    if not multiturn and (args.turns is not None or args.think_time is not None):
+        raise ValueError("--turns and --think-time are options of --workload multiturn")
+    if args.turns is not None and args.turns < 1:
+        raise ValueError(f"--turns must be >= 1, got {args.turns}")
+    if args.think_time is not None and not args.think_time >= 0:
+        raise ValueError(f"--think-time must be >= 0, got {args.think_time}")
     from jspec.sampling_params import SamplingParams
 
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # checks them
     policies = parse_policies(args.policy, args.policy_option, args.num_speculative_tokens)
     if args.elastic_memory:
         policies = with_elastic_runs(policies, args)
+    if args.prefix_caching == "both":
+        policies = with_prefix_cache_runs(policies)
     arrivals = build_arrivals(args)
     if args.workload == "code" and args.workload_file:
         raise ValueError("--workload code reads the held-out corpus split; --workload-file is "
-                         "for spec-bench, alpaca and sharegpt")
-    prompts = wl.load_workload(args.workload, args.workload_file)
+                         "for spec-bench, alpaca, sharegpt and multiturn")
+    turns = args.turns or wl.DEFAULT_TURNS
+    prompts = (wl.load_conversations(args.workload_file, turns) if multiturn
+               else wl.load_workload(args.workload, args.workload_file))
     if args.plot:
         from jspec.bench.plots import require_matplotlib
 
         require_matplotlib()
     span = float(arrivals.times[-1]) if len(arrivals) else 0.0
-    args.bin_seconds_resolved = args.bin_seconds or nice_bin(span)
+    # (conversations: the arrivals are their starts; their turns run on about `turns` times
+    # as long)
+    args.bin_seconds_resolved = args.bin_seconds or nice_bin(span * (turns if multiturn else 1))
 
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     # no benchmark request asks for logprobs: none compiled (max_logprobs=0)
@@ -604,6 +915,11 @@ def run(args: argparse.Namespace) -> int:
                  "min_token_bucket", "kv_cache_memory_bytes", "tensor_parallel_size"):
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
+    # (--prefix-caching both: the runs without it override this in their "engine" options)
+    engine_kwargs["enable_prefix_caching"] = args.prefix_caching != "off"
+    if multiturn and arrivals.context_tokens is not None:
+        print("note: --workload multiturn takes only the trace's times (conversation starts), "
+              "not its token counts", file=sys.stderr)
     if synthetic is not None:
         print(f"{synthetic_banner(args, synthetic)}; conditional acceptance per position "
               f"{', '.join(f'{r:.3f}' for r in synthetic.rates)}", file=sys.stderr)
@@ -614,21 +930,40 @@ def run(args: argparse.Namespace) -> int:
     # the first engine's tokenizer and context limit shape the requests every policy gets
     first = make_engine(args, policies[0], engine_kwargs)
     max_model_len = first.rc.max_model_len
+    # what a conversation may grow to (prompt + output): the same for every policy's engine
+    context_limit = args.context_limit_resolved = first.limits.context_limit
     from policies.profile import model_signature
 
     model_info = {"target_model": model_signature(first.target.cfg),
                   "draft_model": model_signature(first.draft.cfg) if first.draft else None,
                   "kv_dtype": str(first.runner.kv_dtype)}
-    requests = wl.build_requests(
-        prompts, first.tokenizer.encode, arrivals.times, max_model_len=max_model_len,
-        max_tokens=args.max_tokens, seed=args.seed, context_tokens=arrivals.context_tokens,
-        generated_tokens=arrivals.generated_tokens, context_scale=args.context_scale,
-        max_prompt_tokens=args.max_prompt_tokens)
-    prompt_lens = [len(r.prompt_token_ids) for r in requests]
-    output_lens = [r.max_tokens for r in requests]
-    print(f"{len(requests)} requests ({arrivals.label}, {args.workload} prompts), "
-          f"{sum(prompt_lens)} prompt tokens, {sum(output_lens)} output tokens budgeted; "
-          f"policies: {', '.join(p['label'] for p in policies)}", file=sys.stderr)
+    if multiturn:
+        tok = first.tokenizer
+        # the wrapped messages' pieces without special tokens; the first piece of a
+        # conversation with them (a BOS, where the tokenizer adds one, starts it once)
+        requests = wl.build_conversations(
+            prompts, lambda text: tok.encode(text, add_special_tokens=False), arrivals.times,
+            context_limit=context_limit, max_tokens=args.max_tokens, seed=args.seed,
+            max_prompt_tokens=args.max_prompt_tokens, encode_first=tok.encode)
+        prompt_lens = [len(c.turns[0]) for c in requests]  # first turns
+        turn_lens = [len(t) for c in requests for t in c.turns]
+        output_lens = [c.max_tokens for c in requests for _ in c.turns]
+        print(f"{len(requests)} conversations ({arrivals.label} starts, {len(turn_lens)} user "
+              f"turns, up to {turns} each, {args.think_time or 0:g} s think time), "
+              f"{sum(turn_lens)} user-turn tokens, {sum(output_lens)} output tokens budgeted "
+              f"(context limit {context_limit}); "
+              f"policies: {', '.join(p['label'] for p in policies)}", file=sys.stderr)
+    else:
+        requests = wl.build_requests(
+            prompts, first.tokenizer.encode, arrivals.times, max_model_len=max_model_len,
+            max_tokens=args.max_tokens, seed=args.seed, context_tokens=arrivals.context_tokens,
+            generated_tokens=arrivals.generated_tokens, context_scale=args.context_scale,
+            max_prompt_tokens=args.max_prompt_tokens)
+        prompt_lens = [len(r.prompt_token_ids) for r in requests]
+        output_lens = [r.max_tokens for r in requests]
+        print(f"{len(requests)} requests ({arrivals.label}, {args.workload} prompts), "
+              f"{sum(prompt_lens)} prompt tokens, {sum(output_lens)} output tokens budgeted; "
+              f"policies: {', '.join(p['label'] for p in policies)}", file=sys.stderr)
 
     runs = []
     # palindromic rounds: a drift of the machine's speed that is linear in time cancels in the
@@ -656,6 +991,12 @@ def run(args: argparse.Namespace) -> int:
               f"acceptance {m['acceptance_rate']:.3f}, {m['num_preemptions']} preemptions"
               + (f", {m['num_pool_expansions']} expansions / {m['num_pool_contractions']} "
                  f"contractions" if result["engine_options"].get("elastic_memory") else "")
+              + (f", TTFT p50 first turn {_fmt(ttft_p50(m, 'first'), '.1f', 1e3)} ms / later "
+                 f"turns {_fmt(ttft_p50(m, 'later'), '.1f', 1e3)} ms, "
+                 f"{m['conversations']['num_truncated']} conversations truncated"
+                 if multiturn else "")
+              + (f", prefix-cache hit rate {m['prefix_cache_hit_rate']:.3f}"
+                 if m.get("prefix_cache_hit_rate") is not None else "")
               + f" (compiled in {result['compile_s']:.1f} s, "
               f"ran {result['wall_s']:.1f} s, send lag p99 "
               f"{_fmt(result['submit_lag_s']['p99'], '.1f', 1e3)} ms)", file=sys.stderr)
@@ -668,6 +1009,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
     summary = summarize_rounds(runs) if args.rounds > 1 else None
     rows = comparison(summary or runs)
+    cache_rows = prefix_cache_comparison(summary or runs)
     if synthetic is not None:
         print(synthetic_banner(args, synthetic))
     if summary is None:
@@ -679,6 +1021,8 @@ def run(args: argparse.Namespace) -> int:
         for row in summary:
             print(f"  {row['label']}: tok/s by round "
                   + ", ".join(f"{x:.1f}" for x in row["output_tokens_per_s_by_round"]))
+    if cache_rows:
+        print(format_prefix_cache_comparison(cache_rows))
 
     results = {
         "format": FORMAT,
@@ -690,7 +1034,8 @@ def run(args: argparse.Namespace) -> int:
             **synthetic.describe()},
         "config": {"target": _model_label(args, "target"), "draft": _model_label(args, "draft"),
                    **model_info, **engine_kwargs,
-                   "max_model_len": max_model_len,
+                   "max_model_len": max_model_len, "context_limit": context_limit,
+                   "prefix_caching": args.prefix_caching,
                    "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                    "seed": args.seed, "device": _device()},
         "workload": {"name": args.workload,
@@ -699,8 +1044,14 @@ def run(args: argparse.Namespace) -> int:
                      "pool_size": len(prompts), "max_tokens": args.max_tokens,
                      "max_prompt_tokens": args.max_prompt_tokens,
                      "context_scale": args.context_scale,
-                     "prompt_tokens": summarize(prompt_lens),
-                     "output_tokens_budget": summarize(output_lens)},
+                     "prompt_tokens": summarize(prompt_lens),  # multiturn: first turns
+                     "output_tokens_budget": summarize(output_lens),
+                     **({"turns": turns, "think_time_s": args.think_time or 0.0,
+                         "num_conversations": len(requests),
+                         "turns_per_conversation": summarize(len(c.turns) for c in requests),
+                         "user_turn_tokens": summarize(turn_lens),
+                         "conversation_pool_index": [c.conversation_index for c in requests]}
+                        if multiturn else {})},
         "arrivals": arrivals.describe(),
         "slo": {"tpot_s": args.tpot_slo_ms / 1e3,
                 "ttft_s": args.ttft_slo_ms / 1e3 if args.ttft_slo_ms is not None else None},
@@ -709,6 +1060,8 @@ def run(args: argparse.Namespace) -> int:
         "runs": runs,
         "comparison": rows,
     }
+    if args.prefix_caching == "both":
+        results["prefix_cache_comparison"] = cache_rows
     if summary is not None:
         results["summary"] = summary
     if args.out:

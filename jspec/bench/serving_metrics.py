@@ -28,6 +28,13 @@ Definitions (n = output tokens of the request):
 * acceptance rate = accepted / drafted tokens, mean accepted length = (accepted + speculative
   steps) / speculative steps, summed over requests (the engine's ``spec_decode_*`` definitions).
 
+Per turn of a conversation (``turn_metrics``, the multiturn workload; a record's ``turn`` is 1
+for a conversation's first message): the same TTFT / TPOT / E2E statistics and the prompt
+lengths over the finished requests of the first turn (``first``), of every later turn
+(``later``, turn ≥ 2) and of each turn index (``turns``, keyed "1", "2", ...). A later turn's
+arrival is when it became due: its previous turn's finish + the think time; its TTFT is what the
+user waits after sending that message, the number prefix caching shortens.
+
 Time series (``time_series``) bin the run into windows of ``bin_seconds``: output tokens/s (by
 chunk time), arrivals and completions per second, and from the engine steps recorded by the
 driver (``StepRecords``): mean batch size, mean γ per decoding sequence, acceptance, steps.
@@ -51,6 +58,9 @@ class RequestRecord:
     prompt_tokens: int
     max_tokens: int
     category: str = ""
+    # multiturn: the conversation's id and the turn in it (1 = its first message), else None
+    conversation_id: int | None = None
+    turn: int | None = None
     submit: float | None = None  # when the driver handed it to the engine
     chunk_times: list[float] = dataclasses.field(default_factory=list)
     chunk_tokens: list[int] = dataclasses.field(default_factory=list)
@@ -181,6 +191,25 @@ def compute_metrics(records: Sequence[RequestRecord], *, tpot_slo: float | None 
         "num_accepted": accepted,
         "num_spec_steps": spec_steps,
     }
+
+
+def _group_metrics(records: Sequence[RequestRecord]) -> dict:
+    done = [r for r in records if r.ok]
+    return {"num_requests": len(records), "num_finished": len(done),
+            "ttft_s": summarize(r.ttft() for r in done),
+            "tpot_s": summarize(r.tpot() for r in done),
+            "e2e_s": summarize(r.e2e() for r in done),
+            "prompt_tokens": summarize(r.prompt_tokens for r in done)}
+
+
+def turn_metrics(records: Sequence[RequestRecord]) -> dict:
+    """Statistics by turn position (module docstring): {"first", "later", "turns": {"1", ...}}.
+    Records without a turn (not from a conversation) are left out."""
+    mine = [r for r in records if r.turn is not None]
+    return {"first": _group_metrics([r for r in mine if r.turn == 1]),
+            "later": _group_metrics([r for r in mine if r.turn >= 2]),
+            "turns": {str(t): _group_metrics([r for r in mine if r.turn == t])
+                      for t in sorted({r.turn for r in mine})}}
 
 
 STEP_FIELDS = ("time", "step_time", "batch_size", "num_decode", "gamma_sum", "gamma_max",

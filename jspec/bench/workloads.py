@@ -12,6 +12,14 @@ directory's README for provenance and licences):
   whose ``from`` is ``human``.
 * ``code``: signatures + docstrings of the functions in the default pair's held-out split of the
   stdlib corpus (``models.corpus.heldout_function_prompts``); no file.
+* ``multiturn``: conversations (``load_conversations``), from a ShareGPT-format file (default:
+  the same ``ShareGPT_V3_filtered_500.json``). An entry with several human turns is one
+  conversation, its human turns in order (the ``gpt`` replies are dropped: the engine's own
+  outputs take their place). The shipped file has only ONE human turn per entry (its first; no
+  replies, see the data README), so there consecutive single-turn entries are grouped, ``turns``
+  at a time, into one conversation: its "follow-up" messages are other users' opening messages,
+  not real follow-ups. What it measures is the serving pattern (a growing shared prefix), not
+  the text. ``build_conversations`` turns them into token ids, see "Conversations" below.
 
 A missing or malformed file is a ``ValueError`` that names the file (and the line or record).
 
@@ -33,7 +41,16 @@ Length rule (``fit_lengths``), with L = the engine's ``max_model_len``:
 So p + o ≤ L always: the engine never clips a request's output, and the output budget wins over
 the prompt when both do not fit (serving cost is dominated by decoding, which is what the
 benchmarks compare).
-"""
+
+Conversations (``build_conversations``, with L = the engine's context limit): each user message is
+wrapped as ``"User: {msg}\\n\\nAssistant:"`` (the first) or ``"\\n\\nUser: {msg}\\n\\nAssistant:"``
+(the later ones), each piece tokenized on its own, so the ids a turn adds never depend on what came
+before (like a chat template's). The output budget o of every turn is rule 1's; the message keeps
+its first min(its tokens, ``max_prompt_tokens`` if given, L − o − wrapper) tokens
+(``max_prompt_tokens`` caps each user message, wrapper excluded). Turn k's prompt is built while the
+benchmark runs (``jspec.bench.serving.drive_conversations``): turn k−1's prompt ids + turn k−1's
+output ids (what the engine generated) + turn k's wrapped message; the conversation ends early
+(truncated) when that prompt + o would exceed L."""
 
 from __future__ import annotations
 
@@ -50,7 +67,10 @@ DATA_FILES = {
     "alpaca": "alpaca_data_1k_sample.json",
     "sharegpt": "ShareGPT_V3_filtered_500.json",
 }
-WORKLOADS = ("code", "spec-bench", "alpaca", "sharegpt")
+WORKLOADS = ("code", "spec-bench", "alpaca", "sharegpt", "multiturn")
+DEFAULT_TURNS = 4  # user turns per conversation assembled from single-turn entries
+# how a user message is wrapped into the token ids its turn adds (module docstring)
+FIRST_HEAD, NEXT_HEAD, TAIL = "User: ", "\n\nUser: ", "\n\nAssistant:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +90,33 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     category: str
-    prompt_index: int  # index of its (first) prompt in the workload
+    prompt_index: int  # index of its (first) prompt in the workload (its conversation's)
+    # multiturn: its conversation's id and its turn in it (1 = the conversation's first message)
+    conversation_id: int | None = None
+    turn: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """A conversation's user messages, in order (the replies come from the engine)."""
+
+    messages: tuple[str, ...]
+    category: str
+    index: int  # position in the conversation pool
+    entries: tuple[int, ...]  # the file records it was taken from
+
+
+@dataclasses.dataclass
+class BenchConversation:
+    """One conversation of a benchmark: when it starts and the token ids each user turn adds
+    (wrapper included); the prompts themselves are built as it runs (module docstring)."""
+
+    conversation_id: int
+    arrival: float  # when its first turn is due (seconds after the start)
+    turns: list[list[int]]
+    max_tokens: int  # output budget of every turn
+    category: str
+    conversation_index: int  # its position in the conversation pool
 
 
 def data_dir() -> Path:
@@ -82,6 +128,8 @@ def data_dir() -> Path:
 
 
 def default_path(workload: str) -> Path:
+    if workload == "multiturn":
+        workload = "sharegpt"
     if workload not in DATA_FILES:
         raise ValueError(f"workload {workload!r} has no data file; file workloads: "
                          f"{', '.join(DATA_FILES)}")
@@ -180,6 +228,50 @@ def load_sharegpt(path: str | os.PathLike | None = None) -> list[Prompt]:
     return prompts
 
 
+HUMAN_ROLES = ("human", "user")
+
+
+def load_conversations(path: str | os.PathLike | None = None,
+                       turns: int = DEFAULT_TURNS) -> list[Conversation]:
+    """Conversations from a ShareGPT-format file (module docstring): an entry with several human
+    (or ``user``) turns is a conversation of its first ``turns`` of them (0: all); consecutive
+    entries with one human turn are grouped ``turns`` at a time (the last group may be shorter;
+    a multi-turn entry ends the group before it). Entries without a human turn are skipped."""
+    if turns < 0:
+        raise ValueError(f"turns must be >= 0, got {turns}")
+    path = Path(path) if path is not None else default_path("multiturn")
+    convs: list[Conversation] = []
+    group: list[tuple[int, str]] = []
+
+    def add(items: list[tuple[int, str]], category: str) -> None:
+        convs.append(Conversation(tuple(m for _, m in items), category, len(convs),
+                                  tuple(i for i, _ in items)))
+
+    def flush() -> None:
+        if group:
+            add(group, "sharegpt-grouped")
+            group.clear()
+
+    for i, row in enumerate(_load_json_array(path, "ShareGPT")):
+        entry = row.get("conversations") if isinstance(row, dict) else None
+        if not isinstance(entry, list):
+            raise ValueError(f"{str(path)!r} record {i}: expected an object with a "
+                             f"\"conversations\" list")
+        human = [_nonempty_str(t.get("value"), path, f"record {i}", "value") for t in entry
+                 if isinstance(t, dict) and t.get("from") in HUMAN_ROLES]
+        if len(human) == 1:
+            group.append((i, human[0]))
+            if turns and len(group) == turns:
+                flush()
+        elif human:
+            flush()
+            add([(i, m) for m in (human[:turns] if turns else human)], "sharegpt")
+    flush()
+    if not convs:
+        raise ValueError(f"ShareGPT file {str(path)!r} holds no human turns")
+    return convs
+
+
 def load_code(limit: int | None = None) -> list[Prompt]:
     from models.corpus import heldout_function_prompts
 
@@ -195,6 +287,8 @@ def load_workload(name: str, path: str | os.PathLike | None = None) -> list[Prom
             raise ValueError("the code workload reads the held-out corpus split, not a file")
         return load_code()
     loaders = {"spec-bench": load_spec_bench, "alpaca": load_alpaca, "sharegpt": load_sharegpt}
+    if name == "multiturn":
+        raise ValueError("the multiturn workload is conversations: load_conversations")
     if name not in loaders:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     return loaders[name](path)
@@ -275,3 +369,49 @@ def build_requests(prompts: Sequence[Prompt], encode: Callable[[str], list[int]]
                                      prompt_token_ids=ids, max_tokens=o,
                                      category=prompts[first].category, prompt_index=first))
     return requests
+
+
+def build_conversations(conversations: Sequence[Conversation], encode: Callable[[str], list[int]],
+                        arrival_times: np.ndarray, *, context_limit: int, max_tokens: int,
+                        seed: int = 0, max_prompt_tokens: int | None = None,
+                        encode_first: Callable[[str], list[int]] | None = None
+                        ) -> list[BenchConversation]:
+    """One conversation per arrival (its start), drawn by ``sample_order``; each user message
+    wrapped and fitted as the module docstring says. ``encode`` tokenizes a piece without
+    special tokens; ``encode_first`` (default ``encode``) the first piece of a conversation, so
+    a tokenizer's BOS starts the conversation once."""
+    encode_first = encode_first or encode
+    n = len(arrival_times)
+    order = sample_order(len(conversations), n, seed)
+    first_head, next_head, tail = (list(encode_first(FIRST_HEAD)), list(encode(NEXT_HEAD)),
+                                   list(encode(TAIL)))
+    _, out = fit_lengths(1, max_tokens, context_limit, max_tokens)
+    # the longest message a first turn can hold with its output
+    room = context_limit - out - len(first_head) - len(tail)
+    if room < 1:
+        raise ValueError(f"a context limit of {context_limit} tokens leaves no room for a user "
+                         f"message with {out} output tokens and the conversation wrapper")
+    cache: dict[tuple[int, int], list[int]] = {}
+
+    def message(c: int, k: int) -> list[int]:
+        if (c, k) not in cache:
+            conv = conversations[c]
+            ids = list(encode(conv.messages[k]))
+            if not ids:
+                raise ValueError(f"conversation {conv.index} message {k} encodes to no tokens")
+            keep = min(len(ids), room)
+            if max_prompt_tokens is not None:
+                keep = min(keep, max_prompt_tokens)
+            cache[(c, k)] = ids[:keep]
+        return cache[(c, k)]
+
+    result = []
+    for k in range(n):
+        c = int(order[k])
+        conv = conversations[c]
+        turns = [(first_head if t == 0 else next_head) + message(c, t) + tail
+                 for t in range(len(conv.messages))]
+        result.append(BenchConversation(conversation_id=k, arrival=float(arrival_times[k]),
+                                        turns=turns, max_tokens=out, category=conv.category,
+                                        conversation_index=c))
+    return result
