@@ -198,8 +198,12 @@ class LoadPolicy(StaticPolicy):
 
 
 def _burst(seed: int = 0, n: int = 14):
+    """Prompts of 21-39 tokens that share their first 20 (a cached block, with the prefix
+    cache on as by default: the index must follow the blocks a contraction moves)."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, ENGINE_VOCAB, int(k)).tolist() for k in rng.integers(5, 40, n)]
+    shared = rng.integers(3, ENGINE_VOCAB, 20).tolist()
+    return [shared + rng.integers(3, ENGINE_VOCAB, max(1, int(k) - 20)).tolist()
+            for k in rng.integers(5, 40, n)]
 
 
 def _drive(engine, prompts, sampling_params):
@@ -273,6 +277,9 @@ def test_forced_cycles_are_lossless_and_compile_nothing(engine_models, elastic_e
     first_offload = next(i for i, (s, _) in enumerate(states) if s is DraftState.OFFLOADED)
     assert any(drafted for _, drafted in states[first_offload:])
     assert m.catch_up_tokens > 0
+    # the shared block came from the cache (not for the first prompts: admitted together, none
+    # of them had finished it yet)
+    assert m.prefix_cache.hits >= 16 * (len(prompts) // 2)
     for rid, out in expected.items():
         assert done[rid].token_source == out.token_source, rid
 

@@ -433,3 +433,23 @@ def test_preempted_and_aborted_sharers(engine_models, conversation):
     assert engine.metrics.prefix_cache.hits > 0
     assert engine.block_manager.num_used_blocks == 0
     engine.block_manager.check_invariants()
+
+
+def test_chains_each_pool_model_reuses_its_own_cached_kv(engine_models, conversation):
+    """A pool of two drafts under random chains: each model's K/V of a cached block is reused
+    only where that model had computed it (its own bit), and the output stays the target's."""
+    from conftest import make_engine
+    from test_chains import RandomChainPolicy
+
+    target, agreeing, small = engine_models
+    system, first = conversation
+    max_tokens = 16
+    second = [p + [9, 8, 7] for p in first[:3]]
+    ref = _reference(engine_models, first[:3] + second, max_tokens)
+    engine = make_engine(target, [agreeing, small], policy=RandomChainPolicy(7, seed=1))
+    outs = _waves(engine, [first[:3], second], max_tokens)
+    assert [o.token_ids for o in outs] == ref
+    m = engine.metrics.as_dict()
+    assert m["prefix_cache_hits"] > 0
+    assert all(0 < h <= m["prefix_cache_hits"] for h in m["prefix_cache_draft_hits"])
+    engine.block_manager.check_invariants()
