@@ -276,63 +276,62 @@ class Scheduler:
         """Admit waiting sequences in FCFS order while budget, KV and max_num_seqs allow;
         returns the budget left. ``prefill_only``: stop at a sequence that would decode at once
         (a one-token remainder), which needs a plan the step no longer makes."""
-        config = self.config
         bm = self.block_manager
-        block_size = bm.block_size
-        max_model_len = config.max_model_len
-        lookahead = config.lookahead_slots
-        chunked = config.enable_chunked_prefill
         running = self._running
         waiting = self._waiting
-        max_num_seqs = config.max_num_seqs
+        max_num_seqs = self.config.max_num_seqs
         while waiting and budget > 0 and len(running) < max_num_seqs:
             seq = waiting[0]
-            request_id = seq.request_id
             # prefix caching: start after the blocks the pool already holds (a waiting sequence
             # holds no blocks, so this is its first look)
             cached = self._match_prefix(seq) if bm.enable_caching else None
-            num_tokens = seq.num_tokens
-            num_computed = seq.num_computed
-            remaining = num_tokens - num_computed
-            if remaining == 1:
-                if prefill_only:
-                    self._unmatch(seq, cached)
-                    break
-                capacity = bm.num_free_blocks * block_size
-                if bm.has(request_id):
-                    capacity += bm.num_slots(request_id)
-                la = min(lookahead, max_model_len - num_tokens, budget - 1,
-                         capacity - num_tokens)
-                if la < 0:
-                    la = 0
-                if not bm.allocate(request_id, num_tokens + la):
-                    self._unmatch(seq, cached)
-                    break
-                cost = 1 + la
-                item = ScheduledSeq(seq, 1, True, la, True)
-            else:
-                if chunked:
-                    num_new = remaining if remaining < budget else budget
-                elif remaining <= budget:
-                    num_new = remaining
-                else:
-                    self._unmatch(seq, cached)
-                    break
-                if not bm.allocate(request_id, num_computed + num_new):
-                    self._unmatch(seq, cached)
-                    break
-                cost = num_new
-                item = ScheduledSeq(seq, num_new, False, 0, num_new == remaining)
+            item = self._admission(seq, budget, prefill_only)
+            if item is None:
+                self._unmatch(seq, cached)
+                break
             waiting.popleft()
             if cached is not None:
-                bm.count_query(num_tokens, cached)
+                bm.count_query(seq.num_tokens, cached)
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = cached[0]
             seq.status = SequenceStatus.RUNNING
-            running[request_id] = seq
-            budget -= cost
+            running[seq.request_id] = seq
+            budget -= item.num_new_tokens + item.num_lookahead_slots
             scheduled.append(item)
         return budget
+
+    def _admission(self, seq: Sequence, budget: int, prefill_only: bool
+                   ) -> ScheduledSeq | None:
+        """The waiting head's share of the step, its KV slots allocated; None (nothing
+        allocated) when it cannot start now."""
+        config = self.config
+        bm = self.block_manager
+        request_id = seq.request_id
+        num_tokens = seq.num_tokens
+        num_computed = seq.num_computed
+        remaining = num_tokens - num_computed
+        if remaining == 1:
+            if prefill_only:
+                return None
+            capacity = bm.num_free_blocks * bm.block_size
+            if bm.has(request_id):
+                capacity += bm.num_slots(request_id)
+            la = min(config.lookahead_slots, config.max_model_len - num_tokens, budget - 1,
+                     capacity - num_tokens)
+            if la < 0:
+                la = 0
+            if not bm.allocate(request_id, num_tokens + la):
+                return None
+            return ScheduledSeq(seq, 1, True, la, True)
+        if config.enable_chunked_prefill:
+            num_new = remaining if remaining < budget else budget
+        elif remaining <= budget:
+            num_new = remaining
+        else:
+            return None
+        if not bm.allocate(request_id, num_computed + num_new):
+            return None
+        return ScheduledSeq(seq, num_new, False, 0, num_new == remaining)
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Give ``seq`` the cached blocks its tokens start with; each model's K/V then covers

@@ -211,8 +211,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if pool == 0:
             assert self.bm._block_hash[block] is None, "the target wrote into a cached block"
             assert self.bm._refcounts[block] == 1, "the target wrote into a shared block"
-        elif key in self.kv[pool] and self.bm._refcounts[block] > 1:
-            # a draft filling in a shared block writes what any other holder would
+        elif self.bm._block_pools[block] >> (pool - 1) & 1:
+            # a draft filling in a block another holder's draft already covered (its bit is
+            # set) writes what is there
             assert self.kv[pool][key] == content
         self.kv[pool][key] = content
 
