@@ -261,20 +261,25 @@ class BlockManager:
         self._pool_marked.pop(request_id, None)
 
     # ------------------------------------------------------------------ prefix caching
-    def match_prefix(self, request_id: Hashable, token_ids: Sequence[int]) -> list[int]:
+    def match_prefix(self, request_id: Hashable, token_ids: Sequence[int],
+                     hashes: list[bytes] | None = None) -> list[int]:
         """Give a request without a table the longest run of cached blocks its tokens start
         with (shared, reference counted) and return how many of its tokens each pool holds:
         ``[target, pool model 0, ...]`` (multiples of ``block_size``; a pool model's count
         stops at the first block its K/V do not cover). At most ``len(token_ids) - 1`` tokens
         are matched: the last one is fed again for its logits. Counts nothing (see
-        :meth:`count_query`); undo with :meth:`free`."""
+        :meth:`count_query`); undo with :meth:`free`.
+
+        ``hashes``: the request's hash chain so far, extended in place and used from then on
+        (a sequence's tokens only grow, so a caller that keeps it hashes each block once, also
+        across preemptions and refused admissions)."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has a block table")
         bs = self.block_size
         table = self._tables[request_id] = []
         if self.enable_caching:
-            hashes = self._hashes[request_id] = self._chain([], token_ids,
-                                                            len(token_ids) // bs)
+            hashes = self._hashes[request_id] = self._chain(
+                [] if hashes is None else hashes, token_ids, len(token_ids) // bs)
             index = self._index
             for h in hashes[:(len(token_ids) - 1) // bs]:
                 block = index.get(h)

@@ -52,6 +52,9 @@ class Sequence:
     # prompt tokens whose target K/V came from the prefix cache at first admission (None before
     # it; 0 without caching)
     num_cached_tokens: int | None = None
+    # the prefix cache's hash chain of its full blocks (BlockManager.match_prefix): tokens only
+    # grow, so each block is hashed once in the sequence's life, preemptions included
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     # full blocks each model's K/V covered when the engine last offered them to the prefix cache
     full_blocks: list[int] = dataclasses.field(default_factory=list)
 

@@ -117,6 +117,21 @@ def test_a_hit_refreshes_a_block_in_the_lru_order():
     assert bm.match_prefix("g", [2, 2, 2]) == [0, 0]
 
 
+def test_a_kept_hash_chain_is_reused_not_recomputed():
+    bm = _cached_bm()
+    tokens = list(range(9))
+    _run(bm, "a", tokens)
+    bm.free("a")
+    chain: list[bytes] = []
+    assert bm.match_prefix("b", tokens, chain) == [8, 0] and len(chain) == 2
+    bm.free("b")  # refused admission or preemption: the sequence keeps its chain
+    kept = list(chain)
+    assert bm.match_prefix("b", tokens + [1] * 7, chain) == [8, 0]
+    assert chain[:2] == kept and len(chain) == 4  # extended, the first two not recomputed
+    bm.free("b")
+    assert bm.match_prefix("c", tokens, [b"not this prefix"]) == [0, 0]  # taken as given
+
+
 def test_rollback_may_not_release_a_cached_block():
     bm = _cached_bm()
     tokens = list(range(10))
