@@ -310,19 +310,28 @@ class BlockManager:
         for m, n in enumerate(cached[1:]):
             stats.draft_hits[m] += n
 
-    def cache_blocks(self, request_id: Hashable, computed: Sequence[int],
+    def cache_blocks(self, request_id: Hashable, num_computed: int,
+                     pool_computed: Sequence[int],
                      token_ids: Callable[[], Sequence[int]]) -> None:
-        """Index the request's full blocks whose target K/V are computed (``computed[0]``
-        tokens) and mark those pool model m covers (``computed[1 + m]``). ``token_ids()`` is
-        called only when a new block must be hashed. A block whose hash is indexed already
-        (another request computed the same prefix meanwhile) stays private and is freed as
-        usual."""
+        """Index the request's full blocks whose target K/V are computed (its first
+        ``num_computed`` tokens) and mark those pool model m covers (``pool_computed[m]``
+        tokens). Cheap when no model's K/V reached a new block since the last call (most decode
+        steps); ``token_ids()`` is called only when a new block must be hashed. A block whose
+        hash is indexed already (another request computed the same prefix meanwhile) stays
+        private and is freed as usual."""
         if not self.enable_caching:
             return
         bs = self.block_size
-        table = self._table(request_id)
-        n_full = min(computed[0] // bs, len(table))
         done = self._num_indexed.get(request_id, 0)
+        marked = self._pool_marked.get(request_id)
+        if num_computed // bs <= done and marked is not None:
+            for m, c in zip(marked, pool_computed):
+                if m < done and m < c // bs:
+                    break
+            else:
+                return  # nothing new to index or mark
+        table = self._table(request_id)
+        n_full = min(num_computed // bs, len(table))
         if n_full > done:
             hashes = self._hashes.setdefault(request_id, [])
             if len(hashes) < n_full:
@@ -334,10 +343,11 @@ class BlockManager:
                     index[h] = block
                     block_hash[block] = h
             self._num_indexed[request_id] = done = n_full
-        marked = self._pool_marked.setdefault(request_id, [0] * self.num_pool_models)
+        if marked is None:
+            marked = self._pool_marked[request_id] = [0] * self.num_pool_models
         hashes = self._hashes.get(request_id, ())
         for m in range(self.num_pool_models):
-            upto = min(computed[1 + m] // bs, done)
+            upto = min(pool_computed[m] // bs, done)
             if upto > marked[m]:
                 bit = 1 << m
                 for i in range(marked[m], upto):

@@ -778,24 +778,10 @@ class LLMEngine:
 
     def _cache_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's newly completed blocks to the prefix cache (before a finish
-        frees them), only when a model's K/V reached a new block since the last offer: most
-        decode steps do not, and the call costs microseconds per row. K/V past the last kept
-        token (a draft accepted after an EOS) are not counted: their tokens are not in the
-        sequence."""
-        bm = self.block_manager
-        if not bm.enable_caching:
-            return
-        bs, marks, drafts = bm.block_size, seq.full_blocks, seq.draft_computed
-        if marks and seq.num_computed // bs == marks[0]:
-            for c, m in zip(drafts, marks[1:]):
-                if c // bs != m:
-                    break
-            else:
-                return  # no model's K/V reached a new block
-        n = seq.num_tokens
-        computed = [min(seq.num_computed, n)] + [min(c, n) for c in drafts]
-        seq.full_blocks = [c // bs for c in computed]
-        bm.cache_blocks(seq.request_id, computed, seq.token_ids)
+        frees them). K/V past the last kept token (a draft accepted after an EOS) are not
+        counted: their tokens are not in the sequence."""
+        self.block_manager.cache_blocks(seq.request_id, min(seq.num_computed, seq.num_tokens),
+                                        seq.draft_computed, seq.token_ids)
 
     def _add_logprobs(self, req: _Request, logprobs, row: int, count: int) -> None:
         """vLLM's per-token ``{token id: Logprob}``: the request's top ``logprobs`` tokens at

@@ -198,8 +198,8 @@ class LLM:
 
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
-    ``enable_prefix_caching``, ``dtype``, ``seed``, ``policy_options``, ``warmup``, ``tensor_parallel_size``) are those of
-    ``EngineConfig``.
+    ``enable_prefix_caching``, ``dtype``, ``seed``, ``policy_options``, ``warmup``,
+    ``tensor_parallel_size``) are those of ``EngineConfig``.
     """
 
     def __init__(self, target: str | os.PathLike | None = None,

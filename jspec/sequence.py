@@ -55,8 +55,6 @@ class Sequence:
     # the prefix cache's hash chain of its full blocks (BlockManager.match_prefix): tokens only
     # grow, so each block is hashed once in the sequence's life, preemptions included
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
-    # full blocks each model's K/V covered when the engine last offered them to the prefix cache
-    full_blocks: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_draft_computed(self) -> int:
@@ -102,6 +100,5 @@ class Sequence:
         """Preemption by recompute: forget all KV; prompt + outputs so far are prefilled again."""
         self.num_computed = 0
         self.forget_draft_kv()
-        self.full_blocks = []
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

@@ -50,7 +50,7 @@ def test_contraction_moves_live_blocks_into_free_base_blocks():
     tokens = list(range(3 * 4))
     bm.match_prefix("b", tokens)
     bm.allocate("b", 3 * 4)  # 7, 8, 9
-    bm.cache_blocks("b", [12, 0], lambda: tokens)
+    bm.cache_blocks("b", 12, [0], lambda: tokens)
     assert bm.match_prefix("b2", tokens + [0]) == [12, 0]  # a shared block moves once, for both
     assert bm.contraction_plan() is None  # no free base block yet
     bm.free("a")

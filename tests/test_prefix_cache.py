@@ -22,7 +22,7 @@ def _run(bm: BlockManager, rid: str, tokens: list[int], computed: int | None = N
     cached = bm.match_prefix(rid, tokens)
     assert bm.allocate(rid, len(tokens))
     computed = len(tokens) - 1 if computed is None else computed
-    bm.cache_blocks(rid, [computed, draft], lambda: tokens)
+    bm.cache_blocks(rid, computed, [draft], lambda: tokens)
     return cached
 
 
@@ -73,12 +73,12 @@ def test_draft_pool_hits_stop_at_the_first_block_its_kv_does_not_cover():
     prompt = list(range(13))
     bm.match_prefix("a", prompt)
     bm.allocate("a", 13)
-    bm.cache_blocks("a", [12, 8, 4], lambda: prompt)  # draft 0 covers 2 blocks, draft 1 one
+    bm.cache_blocks("a", 12, [8, 4], lambda: prompt)  # draft 0 covers 2 blocks, draft 1 one
     bm.free("a")
     assert bm.match_prefix("b", prompt) == [12, 8, 4]
     # a later holder's draft catch-up marks the block for everyone after it
     bm.allocate("b", 13)
-    bm.cache_blocks("b", [12, 12, 4], lambda: prompt)
+    bm.cache_blocks("b", 12, [12, 4], lambda: prompt)
     bm.free("b")
     assert bm.match_prefix("c", prompt) == [12, 12, 4]
     bm.forget_pool_models()  # elastic memory offloaded the drafts
@@ -149,8 +149,8 @@ def test_concurrent_duplicate_block_stays_private():
     bm.match_prefix("b", tokens)  # admitted before a computed anything
     bm.allocate("a", 9)
     bm.allocate("b", 9)
-    bm.cache_blocks("a", [8, 0], lambda: tokens)
-    bm.cache_blocks("b", [8, 0], lambda: tokens)
+    bm.cache_blocks("a", 8, [0], lambda: tokens)
+    bm.cache_blocks("b", 8, [0], lambda: tokens)
     assert bm.num_cached_blocks == 2
     bm.free("b")  # its duplicates go straight back to the free list
     assert bm.num_cached_blocks == 2
@@ -266,7 +266,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for pos in range(computed[pool], end):
             self._write(pool, rid, pos, tuple(tokens[:pos + 1]))
         computed[pool] = max(computed[pool], end)
-        self.bm.cache_blocks(rid, computed, lambda: tokens)
+        self.bm.cache_blocks(rid, computed[0], computed[1:], lambda: tokens)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), new=st.lists(st.integers(0, 1), min_size=1, max_size=4),

@@ -554,13 +554,13 @@ def simulate(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, bud
             seq = item.seq
             seq.num_computed += item.num_new_tokens
             if not item.samples:
-                bm.cache_blocks(seq.request_id, [seq.num_computed, 0], seq.token_ids)
+                bm.cache_blocks(seq.request_id, seq.num_computed, [0], seq.token_ids)
                 continue
             accepted = rng.randint(0, item.num_lookahead_slots)
             room = limits[seq.request_id] - seq.num_tokens
             seq.output_token_ids.extend([1] * min(1 + accepted, room))
             seq.num_computed = seq.num_tokens - 1
-            bm.cache_blocks(seq.request_id, [seq.num_computed, 0], seq.token_ids)
+            bm.cache_blocks(seq.request_id, seq.num_computed, [0], seq.token_ids)
             if seq.num_tokens >= limits[seq.request_id] or rng.random() < 0.02:
                 sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 finished_prompt_tokens += seq.num_prompt_tokens

@@ -30,9 +30,9 @@ That shipped file holds only each conversation's FIRST human message, so there a
 real follow-ups; a full ShareGPT file (alternating "human" / "gpt" turns) gives real conversations,
 their first K human turns (the "gpt" replies are dropped for the engine's). Records carry
 ``conversation_id`` and ``turn`` (1 = the first message; request ids ``conv-C-turn-T``), and the
-metrics add ``by_turn``: TTFT / TPOT / E2E statistics of first turns, of later turns (turn ≥ 2, TTFT
-from when the message was due) and of each turn, and ``conversations`` (how many ran, were truncated
-or failed, turns sent).
+metrics add ``by_turn``: TTFT / TPOT / E2E statistics of first turns, of later turns (turn ≥ 2,
+TTFT from when the message was due) and of each turn, and ``conversations`` (how many ran, were
+truncated or failed, turns sent).
 
 Prefix caching (``--prefix-caching on|off|both``): on (the engine's default) or off in every engine,
 or ``both``: each policy runs with it and then without it (labelled ``NAME -prefix-cache``, engine
@@ -41,11 +41,11 @@ throughput and TTFT p50 (all, first turns, later turns). Every run's metrics cop
 prefix-cache counters (``prefix_cache_queries``, ``prefix_cache_hits`` in tokens,
 ``prefix_cache_hit_rate``; ``prefix_cache_blocks``, the blocks cached at the end).
 
-``--warmup-requests N`` lets each adaptive policy (not off / static) serve the first N requests
-of the schedule, unmeasured, on the engine it is then measured on (policy state kept, engine
-counters reset, prefix cache emptied): a long-running server's state rather than a cold start. ``--synthetic SHAPE``
-and ``--synthetic-acceptance SPEC`` select the cost-realistic mode (``jspec.synthetic``); its
-results are labelled SYNTHETIC in the table, the JSON and the figures.
+``--warmup-requests N`` lets each adaptive policy (not off / static) serve the first N requests of
+the schedule, unmeasured, on the engine it is then measured on (policy state kept, engine counters
+reset, prefix cache emptied): a long-running server's state rather than a cold start. ``--synthetic
+SHAPE`` and ``--synthetic-acceptance SPEC`` select the cost-realistic mode (``jspec.synthetic``);
+its results are labelled SYNTHETIC in the table, the JSON and the figures.
 
 Policies: ``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE]`` (``static:gamma=2``); ``--policy-option
 KEY=VALUE`` applies to every listed policy except ``off``, ``--policy-option NAME.KEY=VALUE`` to
@@ -267,14 +267,20 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
 NO_CACHE_SUFFIX = " -prefix-cache"  # the label of a policy's run without prefix caching
 
 
+def with_variant_runs(policies: list[dict], suffix: str, engine: dict) -> list[dict]:
+    """Each policy followed by the same policy on an engine with the options ``engine`` added
+    to its own, labelled with ``suffix``."""
+    out = []
+    for p in policies:
+        out += [p, {**p, "label": p["label"] + suffix,
+                    "engine": {**p.get("engine", {}), **engine}}]
+    return out
+
+
 def with_prefix_cache_runs(policies: list[dict]) -> list[dict]:
     """Each policy (run with prefix caching, the engine's default) followed by the same policy
     on an engine without it (``--prefix-caching both``)."""
-    out = []
-    for p in policies:
-        out += [p, {**p, "label": p["label"] + NO_CACHE_SUFFIX,
-                    "engine": {**p.get("engine", {}), "enable_prefix_caching": False}}]
-    return out
+    return with_variant_runs(policies, NO_CACHE_SUFFIX, {"enable_prefix_caching": False})
 
 
 def with_elastic_runs(policies: list[dict], args: argparse.Namespace) -> list[dict]:
@@ -283,10 +289,7 @@ def with_elastic_runs(policies: list[dict], args: argparse.Namespace) -> list[di
     for name in ("elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout"):
         if getattr(args, name) is not None:
             elastic[name] = getattr(args, name)
-    out = []
-    for p in policies:
-        out += [p, {**p, "label": f"{p['label']} +elastic", "engine": elastic}]
-    return out
+    return with_variant_runs(policies, " +elastic", elastic)
 
 
 # ----------------------------------------------------------------------------- arrivals
