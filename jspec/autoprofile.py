@@ -1,9 +1,10 @@
 """The step-time profile an engine measures for itself, so cost-aware policies need no manual step.
 
 AdaSpec and DSD reason from a ``policies.profile.StepProfile``. Given none (``needs_profile``
-and ``profile is None``), ``LLMEngine`` calls ``engine_profile`` after its warm-up: it loads the
-profile cached for this engine's cost signature, or measures one with the engine itself and
-caches it under ``<cache dir>/profiles/``.
+and ``profile is None``), ``LLMEngine.ensure_profile`` calls ``engine_profile`` after the warm-up
+(or before the first request of an engine nobody warmed up): it loads the profile cached for this
+engine's cost signature, or measures one with the engine itself and caches it under
+``<cache dir>/profiles/``.
 
 Measured, not modelled: the engine decodes B fresh sequences (random prompts of ``context``
 tokens, greedy, no EOS) and, for each γ it can run, times a few real ``LLMEngine.step`` calls
@@ -19,7 +20,7 @@ included, not the bare forward that `jspec profile` times:
 The grid is the batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (the engine's own row buckets
 sit at the same powers of two), every γ from 0 to Γmax, one context (128 tokens, less when the
 model is short) and catch-up lengths 2 and 8. On the 2-vCPU development machine the built-in
-pair takes about 23 s at max_num_seqs 32, Γmax 5 (docs/benchmarks.md). The cache key is every
+pair takes 12-15 s at max_num_seqs 32, Γmax 5 (docs/benchmarks.md). The cache key is every
 input that changes a step's cost: both models' shapes, backend and device kind, the KV dtype,
 and the engine's batch shape options. ``JSPEC_PROFILE_CACHE=off`` measures afresh every time
 without reading or writing the cache.
@@ -39,7 +40,8 @@ import numpy as np
 from policies.profile import FORMAT, StepProfile, model_signature
 from policies.static import StaticPolicy
 
-VERSION = 2  # bump when what is measured changes: older cached profiles are then ignored
+VERSION = 3  # bump when what is measured changes: older cached profiles are then ignored
+# (3: the catch-up points no longer include the draft reading a fresh sequence's prompt)
 CONTEXT = 128
 CATCH_UP_LENS = (2, 8)
 STEPS = 3  # measured steps per (B, γ), after one settling step
@@ -123,7 +125,8 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     # tokens a sequence gains while one γ is measured (each step emits up to γ + 1) and during
     # the catch-up rounds; sequences are replaced by fresh ones when the next round would not fit
     need = {g: (g + 1) * (steps + 1) for g in gammas}
-    need_catch_up = sum(CATCH_UP_LENS) + 2 * len(CATCH_UP_LENS)
+    # the catch-up rounds, plus the step that lets the draft read fresh sequences' prompts
+    need_catch_up = sum(CATCH_UP_LENS) + 2 * len(CATCH_UP_LENS) + 2
     widest = max(max(need.values()), need_catch_up) + max_gamma + 1
     context = max(1, min(context, rc.max_model_len // 4, rc.max_model_len - widest - 1))
     if context + widest >= rc.max_model_len:
@@ -162,6 +165,11 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     sp = SamplingParams(max_tokens=rc.max_model_len, temperature=0.0, ignore_eos=True, seed=0)
     ids: list[str] = []
     serial = 0
+    # One prompt per row, drawn once: a replacement sequence starts with the prompt of the one
+    # it replaces, so with prefix caching its prefill reads all but the prompt's last block from
+    # the cache. The grid replaces its sequences about 27 times, and prefilling each set afresh
+    # took two thirds of the measurement (21.6 of 32.1 s for the built-in pair).
+    prompts = [rng.integers(0, vocab, context).tolist() for _ in range(top)]
 
     def fresh(batch: int) -> None:
         """Replace the running sequences by ``batch`` new ones, prefilled and decoding."""
@@ -171,8 +179,8 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
             engine.step()  # deliver the aborts
         ids = [f"__jspec-profile-{serial}-{i}" for i in range(batch)]
         serial += 1
-        for rid in ids:
-            engine.add_request(rid, rng.integers(0, vocab, context).tolist(), sp)
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, sp)
         forced.gamma = 0
         while engine.scheduler.num_waiting or any(not s.is_decoding
                                                   for s in engine.scheduler.running):
@@ -201,13 +209,12 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
             if max_gamma:
                 if room() < need_catch_up + max_gamma:
                     fresh(batch)
-                for ci, lag in enumerate(CATCH_UP_LENS):
-                    forced.gamma = 0
-                    for _ in range(lag - 1):
-                        engine.step()
+                    # the draft has not read the new prompts yet: one drafting step lets it,
+                    # or the first lag below would time the prompts' catch-up instead
                     forced.gamma = 1
                     engine.step()
-                    catch_up[ci, bi] = engine.last_outcome.catch_up_time
+                for ci, lag in enumerate(CATCH_UP_LENS):
+                    catch_up[ci, bi] = _catch_up_step(engine, forced, lag).catch_up_time
     finally:
         if ids:
             engine.abort_request(ids)
@@ -220,3 +227,14 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
                        device, str(engine.runner.kv_dtype), batch_sizes,
                        [g + 1 for g in gammas], [context], list(CATCH_UP_LENS), target_time,
                        draft_time, catch_up)
+
+
+def _catch_up_step(engine, forced: ForcedGamma, lag: int):
+    """``lag`` - 1 steps at γ = 0, then one at γ = 1, whose outcome holds the catch-up the draft
+    needed after lagging ``lag`` tokens (the draft must be level with the target before)."""
+    forced.gamma = 0
+    for _ in range(lag - 1):
+        engine.step()
+    forced.gamma = 1
+    engine.step()
+    return engine.last_outcome

@@ -198,7 +198,8 @@ class WarmupCancelled(Exception):
 
 
 def warmup(engine, progress: bool, should_stop: Callable[[], bool] | None = None) -> None:
-    """Compile every shape bucket of an LLMEngine, with a progress bar on stderr."""
+    """Compile every shape bucket of an LLMEngine, with a progress bar on stderr; then give a
+    cost-model policy its step-time profile (``LLMEngine.ensure_profile``)."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -217,3 +218,4 @@ def warmup(engine, progress: bool, should_stop: Callable[[], bool] | None = None
     if progress:
         print(f"compiled {n} shape buckets in {time.perf_counter() - start:.1f} s",
               file=sys.stderr)
+    engine.ensure_profile()  # a cost-model policy's profile, timed on compiled steps

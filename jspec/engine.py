@@ -204,10 +204,7 @@ class LLMEngine:
         self.stream_outputs = True
         if config.warmup:
             self.warmup()
-        if self.policy.needs_profile and self.policy.profile is None and draft is not None:
-            from jspec.autoprofile import engine_profile
-
-            self.policy.set_profile(engine_profile(self))
+            self.ensure_profile()
 
     def reset_metrics(self) -> EngineMetrics:
         """Start the counters afresh (after a warm-up that should not count); returns them."""
@@ -246,6 +243,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def warmup(self, progress=None) -> int:
         return self.runner.warmup(progress)
+
+    def ensure_profile(self) -> None:
+        """Hand a policy that reasons from a step-time profile (``needs_profile``) and was given
+        none the one cached for this engine, or one measured now (jspec/autoprofile.py). Called
+        after the warm-up, so that the measurement times steps rather than compilations; an
+        engine that is never warmed up measures before its first request, compiling on the
+        way. Does nothing once the policy has a profile."""
+        if self.policy.needs_profile and self.policy.profile is None and self.draft is not None:
+            from jspec.autoprofile import engine_profile
+
+            self.policy.set_profile(engine_profile(self))
 
     def validate_request(self, prompt: str | list[int], sampling_params: SamplingParams
                          ) -> list[int]:
@@ -293,6 +301,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.validate_request(prompt, sampling_params)
+        self.ensure_profile()
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._seed_rng.integers(0, 2**32))

@@ -111,3 +111,39 @@ def test_nightjar_measures_a_profile_for_its_prior_unless_told_not_to(engine_mod
     assert isinstance(engine.policy.profile, StepProfile) and len(list(cache.glob("*.json"))) == 1
     plain = make_engine(target, draft, policy=make_policy("nightjar", MAX_GAMMA, prior=False))
     assert plain.policy.profile is None and not plain.policy.needs_profile
+
+
+def test_catch_up_is_timed_on_the_lag_alone(engine_models, cache, monkeypatch):
+    """Each catch-up point times a draft that lags ``lag`` tokens, never one that has yet to
+    read a fresh sequence's prompt (which the grid's replacements would otherwise leave it)."""
+    target, draft, _ = engine_models
+    engine = make_engine(target, draft)  # static: no profile of its own
+    seen = []
+    step = autoprofile._catch_up_step
+
+    def spy(engine, forced, lag):
+        outcome = step(engine, forced, lag)
+        seen.append((lag, outcome.batch_size, outcome.catch_up_tokens))
+        return outcome
+
+    monkeypatch.setattr(autoprofile, "_catch_up_step", spy)
+    profile = autoprofile.measure(engine)
+    assert [b for lag, b, _ in seen if lag == autoprofile.CATCH_UP_LENS[0]] \
+        == profile.batch_sizes
+    for lag, batch, tokens in seen:
+        assert tokens <= batch * lag, (lag, batch, tokens)
+    assert any(tokens > 0 for _, _, tokens in seen)
+
+
+def test_an_engine_not_warmed_up_measures_after_its_warm_up_or_first_request(
+        engine_models, mixed_prompts, cache, monkeypatch):
+    """Measuring times compiled steps: an engine built without its warm-up (the CLIs and
+    benchmarks warm up themselves, with a progress bar, then call ``ensure_profile``) measures
+    before its first request when nobody does."""
+    target, draft, _ = engine_models
+    monkeypatch.setenv("JSPEC_PROFILE_CACHE", "off")
+    engine = make_engine(target, draft, policy=make_policy("dsd", MAX_GAMMA), warmup=False)
+    assert engine.policy.profile is None
+    engine.add_request("0", mixed_prompts[0], GREEDY)
+    assert isinstance(engine.policy.profile, StepProfile)
+    assert engine.has_unfinished_requests() and engine.metrics.num_steps == 0

@@ -581,6 +581,7 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
         t = time.perf_counter()
         engine.warmup()
         compile_s = time.perf_counter() - t
+    engine.ensure_profile()  # a cost-model policy's step profile, measured before any timing
     multiturn = bool(requests) and isinstance(requests[0], wl.BenchConversation)
     # the conversations' limit: the first engine's (run()), the same for every policy
     context_limit = getattr(args, "context_limit_resolved", None) or engine.limits.context_limit
