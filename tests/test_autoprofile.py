@@ -135,7 +135,7 @@ def test_catch_up_is_timed_on_the_lag_alone(engine_models, cache, monkeypatch):
     assert any(tokens > 0 for _, _, tokens in seen)
 
 
-def test_an_engine_not_warmed_up_measures_after_its_warm_up_or_first_request(
+def test_an_engine_not_warmed_up_measures_before_its_first_request(
         engine_models, mixed_prompts, cache, monkeypatch):
     """Measuring times compiled steps: an engine built without its warm-up (the CLIs and
     benchmarks warm up themselves, with a progress bar, then call ``ensure_profile``) measures
