@@ -625,9 +625,10 @@ class LLMEngine:
         per step); a step carrying prefill returns no result and samples in run_accept."""
         num_tokens = sum((1 + r.gamma_verify) if r.is_decode else r.num_new_tokens
                          for r in st.rows)
+        st.num_padded_tokens = self.rc.verify_tokens(num_tokens, st.num_rows, st.gamma,
+                                                     st.has_prefill)
         st.batch, st.draft_slots = ib.verify_input(
-            st.rows, self.rc.verify_tokens(num_tokens, st.num_rows, st.gamma, st.has_prefill),
-            st.num_rows, st.gamma, st.table)
+            st.rows, st.num_padded_tokens, st.num_rows, st.gamma, st.table)
         st.num_tokens = num_tokens
         if st.has_prefill:
             return self.runner.run_verify_forward(st.batch, st.draft_tokens, st.draft_slots,
@@ -712,6 +713,7 @@ class LLMEngine:
             accept_prob=signal("accept_prob"), kl=signal("kl"),
             draft_entropy=signal("draft_entropy"), confidence=signal("confidence"),
             stage_times=dict(t), gamma_bucket=gamma, num_tokens=st.num_tokens,
+            num_padded_tokens=st.num_padded_tokens,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             chain=st.chain if gamma else (), intermediate_time=t["intermediate"],
             intermediate_accepted=inter_accepted, intermediate_accept_prob=inter_prob)

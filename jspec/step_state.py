@@ -42,6 +42,7 @@ class StepState:
     catch_up_tokens: int = 0
     fetch_time: float = 0.0  # the result transfer (inside the commit stage)
     num_tokens: int = 0  # target tokens in the verify batch
+    num_padded_tokens: int = 0  # the verify batch's width (its compiled bucket)
 
     @property
     def wants_logprobs(self) -> bool:

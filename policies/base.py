@@ -123,6 +123,7 @@ class StepOutcome:
     stage_times: dict[str, float] = dataclasses.field(default_factory=dict)
     gamma_bucket: int = 0  # the compiled γ bucket the step ran in (0: no draft work)
     num_tokens: int = 0  # target tokens in the step's batch (decode + drafts + prefill)
+    num_padded_tokens: int = 0  # the verify forward's width, padding included (0: not given)
     num_running: int = 0  # sequences running after the step
     num_waiting: int = 0  # queue depth after the step
     # Multi-level chains (SpecRouter): the pool models that drafted this step (DraftPlan.chain;
@@ -141,13 +142,20 @@ class StepOutcome:
     def num_decode(self) -> int:
         return len(self.request_ids)
 
-    def _emitted_per_second(self, seconds: float) -> float:
+    def emitted_per_second(self, seconds: float) -> float:
+        """Tokens produced by decoding sequences per ``seconds`` (a reward over a chosen time)."""
         return float(self.num_emitted.sum()) / seconds if seconds > 0 else 0.0
 
     @property
     def goodput(self) -> float:
         """Tokens produced by decoding sequences per second of step time."""
-        return self._emitted_per_second(self.step_time)
+        return self.emitted_per_second(self.step_time)
+
+    @property
+    def target_time(self) -> float:
+        """The step's time less the draft loop and its catch-up: the target's forward with
+        everything around it (sampling, signals, the commit, the host's work)."""
+        return max(self.step_time - self.draft_time - self.catch_up_time, 0.0)
 
     @property
     def decode_time(self) -> float:
@@ -158,14 +166,13 @@ class StepOutcome:
         and a prompt's tokens must be computed whatever γ the decoding rows play."""
         if self.num_prefill_tokens <= 0 or self.num_tokens <= self.num_prefill_tokens:
             return self.step_time
-        target = max(self.step_time - self.draft_time - self.catch_up_time, 0.0)
-        return self.step_time - target * self.num_prefill_tokens / self.num_tokens
+        return self.step_time - self.target_time * self.num_prefill_tokens / self.num_tokens
 
     @property
     def decode_goodput(self) -> float:
         """Tokens produced by decoding sequences per second of ``decode_time``: ``goodput`` with
         the prefill chunks' share of the step taken out."""
-        return self._emitted_per_second(self.decode_time)
+        return self.emitted_per_second(self.decode_time)
 
 
 def option_bool(policy: str, key: str, value: Any) -> bool:

@@ -28,9 +28,10 @@ def make_outcome(view: BatchView, gammas, num_accepted, *, step_time: float = 0.
                  kl=None, confidence=None, accept_prob=None, draft_entropy=None,
                  num_drafted=None, num_verified=None, num_emitted=None,
                  catch_up_time: float = 0.0, catch_up_tokens: int = 0,
-                 draft_time: float = 0.0) -> StepOutcome:
+                 draft_time: float = 0.0, num_padded_tokens: int = 0) -> StepOutcome:
     """An outcome for ``view``: per-sequence planned γ and accepted counts; per-position signals
-    [n, max_gamma] default to NaN (not verified). Emitted = accepted + 1 unless given."""
+    [n, max_gamma] default to NaN (not verified). Emitted = accepted + 1 unless given; the
+    forward's padded width is not given (0) unless ``num_padded_tokens`` says it."""
     n = view.num_decode
     g = view.max_gamma
     gammas = np.asarray(gammas, np.int64).reshape(n)
@@ -54,6 +55,7 @@ def make_outcome(view: BatchView, gammas, num_accepted, *, step_time: float = 0.
         catch_up_time=catch_up_time, catch_up_tokens=catch_up_tokens,
         num_prefill_tokens=view.num_prefill_tokens, accept_prob=signal(accept_prob),
         num_tokens=int((1 + verified).sum()) + view.num_prefill_tokens,
+        num_padded_tokens=num_padded_tokens,
         kl=signal(kl), draft_entropy=signal(draft_entropy), confidence=signal(confidence))
 
 

@@ -286,9 +286,11 @@ def test_time_series_bins():
     steps = StepRecords()
     for t, batch, dec, gsum, ver, acc in [(0.2, 2, 2, 6, 6, 3), (0.8, 2, 1, 0, 0, 0),
                                           (1.1, 3, 3, 3, 3, 1)]:
-        steps.append(time=t, step_time=0.1, batch_size=batch, num_decode=dec, gamma_sum=gsum,
-                     gamma_max=3, num_verified=ver, num_accepted=acc, num_emitted=dec,
-                     num_prefill_tokens=0, num_running=batch, num_waiting=0)
+        steps.append(time=t, step_time=0.1, draft_time=0.01, catch_up_time=0.0,
+                     batch_size=batch, num_decode=dec, gamma_sum=gsum, gamma_max=3,
+                     num_verified=ver, num_accepted=acc, num_emitted=dec, num_prefill_tokens=0,
+                     num_tokens=dec + ver, num_padded_tokens=batch * 4, num_running=batch,
+                     num_waiting=0)
     s = time_series(timeline(), steps, bin_seconds=1.0)
     assert s["t"] == [0.0, 1.0, 2.0]
     assert s["output_tokens_per_s"] == [3.0, 3.0, 1.0]

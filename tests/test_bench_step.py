@@ -56,6 +56,14 @@ def test_every_step_yields_one_record_prefill_only_steps_included(engine_models)
     assert sum(int(o.num_emitted.sum()) for o in seen) + 1 == 6  # the prefill's own token
     assert engine.metrics.stage_time["verify"] == pytest.approx(
         sum(o.stage_times["verify"] for o in seen))
+    # the forward's width, padding included (Nightjar's prefill cost fit reads it): a token
+    # bucket for a step with prefill, exactly rows x (1 + γ bucket) for a decode-only one
+    rc = engine.rc
+    assert first.num_padded_tokens == rc.token_bucket(64)
+    for o in seen:
+        expect = (rc.token_bucket(o.num_tokens) if o.num_prefill_tokens
+                  else rc.seq_bucket(o.batch_size) * (1 + o.gamma_bucket))
+        assert o.num_padded_tokens == expect >= o.num_tokens
 
 
 @pytest.mark.parametrize("policy, present", [("static", set()), ("dsde", {"kl"})])

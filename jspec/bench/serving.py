@@ -357,10 +357,12 @@ class StepRecorder:
             return
         self.steps.append(
             time=time.perf_counter() - self.t0, step_time=o.step_time,
+            draft_time=o.draft_time, catch_up_time=o.catch_up_time,
             batch_size=o.batch_size, num_decode=o.num_decode,
             gamma_sum=int(o.gammas.sum()), gamma_max=int(o.gammas.max(initial=0)),
             num_verified=int(o.num_verified.sum()), num_accepted=int(o.num_accepted.sum()),
             num_emitted=int(o.num_emitted.sum()), num_prefill_tokens=o.num_prefill_tokens,
+            num_tokens=o.num_tokens, num_padded_tokens=o.num_padded_tokens,
             num_running=o.num_running, num_waiting=o.num_waiting)
 
 

@@ -212,9 +212,11 @@ def turn_metrics(records: Sequence[RequestRecord]) -> dict:
                       for t in sorted({r.turn for r in mine})}}
 
 
-STEP_FIELDS = ("time", "step_time", "batch_size", "num_decode", "gamma_sum", "gamma_max",
-               "num_verified", "num_accepted", "num_emitted", "num_prefill_tokens",
-               "num_running", "num_waiting")
+STEP_FIELDS = ("time", "step_time", "draft_time", "catch_up_time", "batch_size", "num_decode",
+               "gamma_sum", "gamma_max", "num_verified", "num_accepted", "num_emitted",
+               "num_prefill_tokens", "num_tokens", "num_padded_tokens", "num_running",
+               "num_waiting")
+_SECONDS = ("time", "step_time", "draft_time", "catch_up_time")
 
 
 @dataclasses.dataclass
@@ -233,7 +235,7 @@ class StepRecords:
         return len(self.columns["time"])
 
     def as_dict(self) -> dict:
-        return {k: [round(x, 6) for x in v] if k in ("time", "step_time") else list(v)
+        return {k: [round(x, 6) for x in v] if k in _SECONDS else list(v)
                 for k, v in self.columns.items()}
 
 
