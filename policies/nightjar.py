@@ -3,7 +3,7 @@
 
 Arms are γ ∈ {0..Γmax}; γ = 0 is plain decoding. Every sequence of a step drafts the same γ (the
 arm). The paper's reward of a step is its realized goodput, ``StepOutcome.goodput`` = emitted
-tokens / step wall time (we take the prefill chunks' share out of the time, see "Deviations"),
+tokens / step wall time (we take the prefill chunks' cost out of the time, see "Deviations"),
 where the step time includes the draft's catch-up, so a switch from γ = 0 back to speculation
 pays for itself in the reward as well as in Eq. (3).
 
@@ -22,23 +22,29 @@ seconds per drafted token); we keep it exactly as the paper writes it.
 
 Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0, prior=false``
 is the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the
-wrong arm at saturation", "Adaptation under load", rounds 2-4):
+wrong arm at saturation", "Adaptation under load", rounds 2-6):
 
-- ``reward`` (default ``decode_share``): the reward of a step is its *decode* goodput,
-  ``StepOutcome.decode_goodput`` = emitted tokens / (step time less the share of the target's time
-  that the step's prefill chunks took, in proportion to their target tokens). The paper's reward
+- ``reward`` (default ``decode_marginal``): the reward of a step is its *decode* goodput, emitted
+  tokens / (step time less what the step's prefill chunks added to it). The paper's reward
   (``reward=step``) charges a step's whole time to its decoding rows, and at saturation that poisons
   the arm that matters: a γ = 0 step that admits a prompt takes 4-5× a decode-only one (111 ms
   against 23 ms at B ≈ 29, 16 requests/s), while a γ = 4 step hides its prefill chunk among its
   verify tokens (196 against 158 ms). With the published reward, γ = 0 was played twice in the B =
   32 context of each run, scored 104-113 tok/s, and never again: Nightjar decoded at γ = 3-5 there,
-  down to 0.73× of ``off`` although γ = 0's decode-only goodput was 1.7× γ = 4's. With this reward
-  it plays γ = 0 there (g̃ 830-920 tok/s, mean γ 0.06-2). A prompt's tokens must be computed
-  whatever γ the decoding rows play, so they are taken out of the reward rather than charged to the
-  arm that happened to carry them. ``reward=decode_only`` (formerly ``decode_only_reward=true``)
-  keeps steps with prefill out of g̃ altogether (they still count as plays and advance the
-  counters); it was not better than the published reward beyond noise, because at saturation most
-  speculative steps carry an arrival and their arms are then rarely sampled.
+  down to 0.73× of ``off`` although γ = 0's decode-only goodput was 1.7× γ = 4's. A prompt's tokens
+  must be computed whatever γ the decoding rows play, so their cost is taken out of the reward
+  rather than charged to the arm that happened to carry them, and it must be the same whatever the
+  arm: the chunk is charged its tokens at the forward's marginal cost per token, fitted online
+  against the forward's padded width (policies/prefill_cost.py). ``reward=decode_share`` (the
+  default until round 6) splits the target's time in proportion to tokens instead; that charges the
+  chunk part of the step's fixed cost too, the more the fewer decode tokens sit beside it. In an
+  environment with the engine's cost shape, γ = 0's mixed steps then look 1.5× faster than its
+  decode-only ones and ``decode_share`` settles on γ = 0, the arm that delivers least
+  (``test_the_marginal_reward_finds_the_arm_the_proportional_one_misses``).
+  ``reward=decode_only`` (formerly ``decode_only_reward=true``) keeps steps with prefill out of g̃
+  altogether (they still count as plays and advance the counters); it was not better than the
+  published reward beyond noise, because at saturation most speculative steps carry an arrival and
+  their arms are then rarely sampled.
 - ``eliminate`` (default on): an exploration bin draws its arm uniformly among the *plausible*
   arms only, those with fewer than two samples or whose upper confidence bound g̃ + z·sd reaches
   the best arm's lower bound (z = ``confidence_z``, default 2), and a bin whose arm stops being
@@ -125,10 +131,12 @@ import numpy as np
 
 from policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
                            expected_tokens, judged_acceptance, option_bool, option_number)
+from policies.prefill_cost import PrefillCost
 from policies.profile import StepProfile, load_profile
 
 EXPLORE, EXPLOIT = "explore", "exploit"
-REWARDS = ("decode_share", "step", "decode_only")  # the ``reward`` option's values
+# the ``reward`` option's values
+REWARDS = ("decode_marginal", "decode_share", "step", "decode_only")
 _CATCH_UP_DECAY = 0.95  # weight of older catch-up observations, per new one
 _MIN_REL_SD = 0.02  # floor of a reward's standard deviation, relative to its mean
 _WINDOW = 100  # most samples an arm's mean averages (beyond: an exponential average)
@@ -232,7 +240,7 @@ class NightjarPolicy(Policy):
 
     def __init__(self, max_gamma: int = 4, profile: "str | os.PathLike | StepProfile | None" = None,
                  seed: int = 0, switching_cost: bool = True,
-                 eliminate: bool = True, reward: str = "decode_share",
+                 eliminate: bool = True, reward: str = "decode_marginal",
                  decode_only_reward: bool | None = None,
                  confidence_z: float = 2.0, drift: float = 0.1, prior: bool = True,
                  prior_sd: float = 0.3, alpha0: float = 0.6):
@@ -244,7 +252,7 @@ class NightjarPolicy(Policy):
             option_bool(self.name, key, value)
         if decode_only_reward is not None:  # the option's earlier spelling
             option_bool(self.name, "decode_only_reward", decode_only_reward)
-            if reward != "decode_share":
+            if reward != "decode_marginal":
                 raise ValueError(f"{self.name}: give reward or decode_only_reward, not both")
             reward = "decode_only" if decode_only_reward else "step"
         if reward not in REWARDS:
@@ -272,6 +280,7 @@ class NightjarPolicy(Policy):
         self._prev_gamma: int | None = None  # γ_{t−1}, global (see the module docstring)
         self._catch_up_time = 0.0  # decayed sums for the online c_prefill estimate
         self._catch_up_tokens = 0.0
+        self._prefill_cost = PrefillCost()  # the marginal cost of prefill tokens (reward)
         self._pending: dict[str, Any] | None = None  # the decision awaiting its outcome
 
     # ------------------------------------------------------------------ decisions
@@ -389,7 +398,11 @@ class NightjarPolicy(Policy):
         ctx = self._context(decision["context"])
         arm = decision["gamma"]
         ctx.counts[arm] += 1
-        if self.reward == "decode_share":
+        self._prefill_cost.observe(outcome)
+        if self.reward == "decode_marginal":
+            ctx.record(arm, outcome.emitted_per_second(self._prefill_cost.decode_time(outcome)),
+                       self.drift)
+        elif self.reward == "decode_share":
             ctx.record(arm, outcome.decode_goodput, self.drift)
         elif self.reward == "step" or outcome.num_prefill_tokens == 0:
             ctx.record(arm, outcome.goodput, self.drift)
@@ -433,6 +446,7 @@ class NightjarPolicy(Policy):
             "prev_gamma": self._prev_gamma,
             "catch_up": {"time": self._catch_up_time, "tokens": self._catch_up_tokens},
             "acceptance": {"accepted": self._accepted, "judged": self._judged},
+            "prefill_cost": self._prefill_cost.state_dict(),
             "rng": self._rng.bit_generator.state,
             "pending": None if self._pending is None else dict(self._pending),
         }
@@ -469,6 +483,9 @@ class NightjarPolicy(Policy):
             # saved before the prior existed: no acceptance evidence yet
             acceptance = state.get("acceptance", {"accepted": 0.0, "judged": 0.0})
             acceptance = (float(acceptance["accepted"]), float(acceptance["judged"]))
+            prefill_cost = PrefillCost()  # saved before the marginal reward: nothing fitted yet
+            if "prefill_cost" in state:
+                prefill_cost.load_state_dict(state["prefill_cost"])
             pending = state.get("pending")
             if pending is not None:
                 pending = {"context": int(pending["context"]), "gamma": int(pending["gamma"]),
@@ -481,4 +498,5 @@ class NightjarPolicy(Policy):
         self._prev_gamma = None if prev is None else int(prev)
         self._catch_up_time, self._catch_up_tokens = catch_up
         self._accepted, self._judged = acceptance
+        self._prefill_cost = prefill_cost
         self._pending = pending

@@ -310,10 +310,13 @@ def test_rewards_of_steps_that_carry_prefill():
                                    draft_time=0.01 * gamma))
         return p, p.context_stats()[4]
 
-    # default: the mixed step's 8 tokens over its decode share of the time: the 0.01 s draft
-    # loop plus 8 of the target's 108 tokens' worth of the other 0.09 s
+    # default: the mixed step's 8 tokens over its decode share of the time. Two steps say
+    # nothing of the cost per token yet (policies/prefill_cost.py), so the share is the
+    # proportional one: the 0.01 s draft loop plus 8 of the target's 108 tokens' worth of the
+    # other 0.09 s
     p, s = run()
-    assert p.reward == "decode_share"
+    assert p.reward == "decode_marginal"
+    assert s["goodput"] == run(reward="decode_share")[1]["goodput"]
     assert s["counts"] == [1, 1, 0] and s["samples"] == [1, 1, 0]
     assert s["goodput"] == [pytest.approx(400.0),
                             pytest.approx(8 / (0.01 + 0.09 * 8 / 108)), 0.0]
@@ -341,6 +344,72 @@ def test_decode_time_takes_out_the_prefill_share_of_the_target_time():
     assert o.decode_goodput == pytest.approx(6 / o.decode_time) and o.goodput == 6 / 0.05
     o.num_tokens = 0  # an outcome that does not say its tokens: the whole step
     assert o.decode_time == o.step_time
+
+
+class _PrefillEnv:
+    """B = 32 at saturation with the engine's cost shape: the target's time is a + b·w, w the
+    forward's padded width (a decode-only step is exactly B·(1 + γ) wide, one carrying prefill
+    rounds up to a power of two), the draft loop costs d per γ, a drafted token is accepted
+    with probability ``alpha``, and a step carries a ``prompt``-token chunk with probability
+    ``mix`` whatever γ it plays."""
+
+    a, b, d, alpha, prompt, mix, batch = 0.025, 0.00025, 0.005, 0.45, 100, 0.3, 32
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def width(self, gamma: int, prefill: int) -> int:
+        w = self.batch * (1 + gamma)
+        return w if prefill == 0 else 1 << (w + prefill - 1).bit_length()
+
+    def outcome(self, gamma: int, max_gamma: int):
+        prefill = self.prompt if self.rng.random() < self.mix else 0
+        view = make_view(self.batch, max_gamma=max_gamma, num_prefill_tokens=prefill)
+        accepted = np.minimum(self.rng.geometric(1 - self.alpha, self.batch) - 1, gamma)
+        noise = 1 + 0.05 * self.rng.standard_normal()
+        width = self.width(gamma, prefill)
+        draft = self.d * gamma * noise
+        return make_outcome(view, [gamma] * self.batch, accepted, draft_time=draft,
+                            step_time=(self.a + self.b * width) * noise + draft,
+                            num_padded_tokens=width)
+
+    def throughput(self, gamma: int) -> float:
+        """Decode tokens per second of a long run at ``gamma`` (the prompts' tokens included in
+        the time, as a server spends it)."""
+        tokens = self.batch * sum(self.alpha ** j for j in range(gamma + 1))
+        seconds = self.a + self.d * gamma + self.b * (
+            (1 - self.mix) * self.width(gamma, 0) + self.mix * self.width(gamma, self.prompt))
+        return tokens / seconds
+
+
+def test_the_marginal_reward_finds_the_arm_the_proportional_one_misses():
+    # γ = 1 delivers the most here and γ = 0 the least, but a 100-token chunk beside γ = 0's
+    # 32 tokens takes 76% of its step under the proportional split (the fixed cost included), so
+    # γ = 0's mixed steps look 1.5× faster than its decode-only ones and decode_share settles
+    # on γ = 0. Charging the chunk b per token instead finds γ = 1.
+    truth = [_PrefillEnv(0).throughput(g) for g in range(4)]
+    assert int(np.argmax(truth)) == 1 and int(np.argmin(truth)) == 0
+    assert truth[1] > 1.15 * truth[0]
+
+    def second_half(reward):
+        policy, env = NightjarPolicy(3, reward=reward, prior=False, seed=1), _PrefillEnv(0)
+        view = make_view(env.batch, max_gamma=3)
+        played, tokens, seconds = [], 0.0, 0.0
+        for t in range(2000):
+            outcome = env.outcome(_gamma(policy, view), 3)
+            policy.observe(outcome)
+            if t >= 1000:
+                played.append(int(outcome.gammas[0]))
+                tokens += float(outcome.num_emitted.sum())
+                seconds += outcome.step_time
+        return np.bincount(played, minlength=4) / len(played), tokens / seconds
+
+    share, share_throughput = second_half("decode_share")
+    marginal, marginal_throughput = second_half("decode_marginal")
+    assert share[0] > 0.5  # the failure this reward fixes
+    assert marginal[0] < 0.15 and int(np.argmax(marginal)) == 1
+    assert marginal_throughput > 0.95 * truth[1]
+    assert marginal_throughput > 1.1 * share_throughput
 
 
 def test_drift_zero_is_the_cumulative_moving_average():
@@ -489,7 +558,8 @@ def test_load_state_dict_rejects_other_arms_and_garbage():
     ({"profile": 3}, "profile must be a path"),
     ({"eliminate": 1}, "eliminate must be true or false"),
     ({"decode_only_reward": "no"}, "decode_only_reward must be true or false"),
-    ({"reward": "goodput"}, "reward must be one of decode_share, step, decode_only"),
+    ({"reward": "goodput"},
+     "reward must be one of decode_marginal, decode_share, step, decode_only"),
     ({"reward": "step", "decode_only_reward": True}, "not both"),
     ({"drift": -0.1}, "drift must be a number >= 0"),
     ({"drift": float("nan")}, "drift must be a number >= 0"),
@@ -517,7 +587,7 @@ def test_auto_is_nightjar_under_its_own_name():
 
     p = make_policy("auto", 4)
     assert isinstance(p, AutoPolicy) and isinstance(p, NightjarPolicy)
-    assert (p.eliminate, p.reward, p.drift) == (True, "decode_share", 0.1)
+    assert (p.eliminate, p.reward, p.drift) == (True, "decode_marginal", 0.1)
     state = p.state_dict()
     assert state["policy"] == "auto"
     with pytest.raises(ValueError, match="belongs to policy 'auto', not 'nightjar'"):
