@@ -17,12 +17,13 @@ one of its steps:
 
 After each step τ_B += 1; τ_B > √H_B ends the bin (b_B += 1, τ_B = 1); b_B > √H_B ends the block
 (j_B += 1, H_B = 2^(j_B−1), b_B = 1). The comparisons are done on integers (τ² > H), which is
-exact because H_B is an integer. Eq. (3) as published mixes units at B > 1: 1/g̃ is seconds per
-token of the whole batch, c_prefill/γ seconds per drafted token of one sequence (see
-``amortize`` below).
+exact because H_B is an integer. Eq. (3) mixes units (1/g̃ is seconds per token, c_prefill/γ
+seconds per drafted token); we keep it exactly as the paper writes it. Spreading the catch-up
+over the batch's drafts instead (c_prefill/(B·γ)) was measured and did worse at saturation
+(docs/benchmarks.md, round 6).
 
-Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0, prior=false,
-amortize=sequence`` is the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the
+Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0, prior=false``
+is the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the
 wrong arm at saturation", "Adaptation under load", rounds 2-6):
 
 - ``reward`` (default ``decode_marginal``): the reward of a step is its *decode* goodput, emitted
@@ -82,16 +83,6 @@ wrong arm at saturation", "Adaptation under load", rounds 2-6):
   prefill tokens a step carries (the profile cannot price them per γ); it errs towards arms
   not yet sampled, which is the safe direction for a bandit.
 
-- ``amortize`` (default ``batch``): the switching term is c_prefill(L_max, B) / (n·γ), n the
-  decoding sequences, so that it is in Eq. (3)'s own units, seconds per token of the batch: the
-  catch-up is spread over the n·γ tokens the batch drafts in its first speculative step rather
-  than over one sequence's γ. At B = 1 that is the paper's term. ``amortize=sequence`` is the
-  published c_prefill/γ; at B = 32 it weighs a catch-up 32× against 1/g̃, so a few γ = 0 steps
-  make γ = 0 sticky: in the records of a 16 requests/s run Nightjar went back to speculation at
-  B > 16 four times in 292 steps, after γ = 0 stretches of 33 steps on average (up to 60), while
-  the catch-ups it feared took 39-196 ms, what one to five γ = 5 steps gained over γ = 0 in that
-  run (docs/benchmarks.md, round 6).
-
 Choices the paper leaves open:
 
 - Context: ``batch_bucket(view.batch_size)`` (policies/base.py): the smallest power of two ≥ the
@@ -148,7 +139,6 @@ from policies.profile import StepProfile, load_profile
 EXPLORE, EXPLOIT = "explore", "exploit"
 # the ``reward`` option's values
 REWARDS = ("decode_marginal", "decode_share", "step", "decode_only")
-AMORTIZE = ("batch", "sequence")  # the ``amortize`` option's values
 _CATCH_UP_DECAY = 0.95  # weight of older catch-up observations, per new one
 _MIN_REL_SD = 0.02  # floor of a reward's standard deviation, relative to its mean
 _WINDOW = 100  # most samples an arm's mean averages (beyond: an exponential average)
@@ -251,7 +241,7 @@ class NightjarPolicy(Policy):
     name = "nightjar"
 
     def __init__(self, max_gamma: int = 4, profile: "str | os.PathLike | StepProfile | None" = None,
-                 seed: int = 0, switching_cost: bool = True, amortize: str = "batch",
+                 seed: int = 0, switching_cost: bool = True,
                  eliminate: bool = True, reward: str = "decode_marginal",
                  decode_only_reward: bool | None = None,
                  confidence_z: float = 2.0, drift: float = 0.1, prior: bool = True,
@@ -267,9 +257,6 @@ class NightjarPolicy(Policy):
             if reward != "decode_marginal":
                 raise ValueError(f"{self.name}: give reward or decode_only_reward, not both")
             reward = "decode_only" if decode_only_reward else "step"
-        if amortize not in AMORTIZE:
-            raise ValueError(f"{self.name} option amortize must be one of "
-                             f"{', '.join(AMORTIZE)}, got {amortize!r}")
         if reward not in REWARDS:
             raise ValueError(f"{self.name} option reward must be one of {', '.join(REWARDS)}, "
                              f"got {reward!r}")
@@ -280,7 +267,6 @@ class NightjarPolicy(Policy):
         # the engine checks `profile` against its models
         self.profile = load_profile(self.name, profile)
         self.switching_cost = switching_cost
-        self.amortize = amortize
         self.eliminate = eliminate
         self.reward = reward
         self.confidence_z = float(confidence_z)
@@ -351,10 +337,8 @@ class NightjarPolicy(Policy):
         scores = np.full(len(g), np.inf)
         scores[known] = 1.0 / g[known]
         if self.switching_cost and self._prev_gamma == 0 and self.max_gamma > 0:
-            drafts = np.arange(1, self.max_gamma + 1)  # drafted tokens per sequence
-            if self.amortize == "batch":
-                drafts = drafts * max(view.num_decode, 1)
-            scores[1:] += self.c_prefill(view) / drafts
+            arms = np.arange(1, self.max_gamma + 1)
+            scores[1:] += self.c_prefill(view) / arms
         return scores
 
     def scores(self, view: BatchView) -> np.ndarray:

@@ -101,32 +101,6 @@ def test_eq3_switching_term_favours_longer_drafts():
     assert _gamma(p, view) == 4
 
 
-def test_eq3_switching_term_is_spread_over_the_batch_drafts():
-    # B = 32, c = 0.01 s, g̃ in tokens/s of the batch: [3000, 3200, 3400, 3500, 3600].
-    # amortize=batch: γ=4 pays .01/(32·4) = .000078 on top of 1/3600 = .000278 -> .000356,
-    # γ=0 .000333, γ=3 .000286 + .000104 = .000390 ... -> γ = 0 stays, by 7%; with
-    # c = 0.002 the switch pays: γ=4 .000278 + .0000156 = .000293 < .000333 -> γ = 4.
-    # amortize=sequence (the paper's c/γ): γ=4 pays .0025, nine times 1/g̃ itself -> γ = 0.
-    g = [3000, 3200, 3400, 3500, 3600]
-    view = make_view(32, pending=[8] * 32)
-    for c, batch, sequence in ((0.01, 0, 0), (0.002, 4, 0)):
-        p = NightjarPolicy(4, profile=_const_profile(c))
-        _set_context(p, 32, g, prev_gamma=0)
-        scores = p.scores(view)
-        np.testing.assert_allclose(scores[1:], 1 / np.array(g[1:]) + c / (32 * np.arange(1, 5)))
-        assert _gamma(p, view) == batch
-        paper = NightjarPolicy(4, profile=_const_profile(c), amortize="sequence")
-        _set_context(paper, 32, g, prev_gamma=0)
-        np.testing.assert_allclose(paper.scores(view)[1:], 1 / np.array(g[1:]) + c / np.arange(1, 5))
-        assert _gamma(paper, view) == sequence
-    # one decoding sequence: both are the paper's term
-    one = make_view(1, pending=[8])
-    for amortize in ("batch", "sequence"):
-        p = NightjarPolicy(4, profile=_const_profile(0.01), amortize=amortize)
-        _set_context(p, 1, [100, 90, 110, 120, 125], prev_gamma=0)
-        np.testing.assert_allclose(p.scores(one)[4], 1 / 125 + 0.01 / 4)
-
-
 def test_c_prefill_from_profile_uses_lmax_and_decode_batch():
     # synthetic_profile's catch-up is 0.002 + 0.00004·L·B (bilinear, so interpolation is exact):
     # L_max = 9, B = 2 decoding sequences -> 0.002 + 0.00004·18 = 0.00272 s
@@ -146,10 +120,9 @@ def test_c_prefill_online_estimate_from_observed_catch_up():
     assert p.c_prefill(view) == pytest.approx(0.029 / 48 * 12)
     p.observe(make_outcome(view, [0, 0], [0, 0]))  # no catch-up: the estimate is unchanged
     assert p.c_prefill(view) == pytest.approx(0.029 / 48 * 12)
-    # and it enters Eq. (3) after γ = 0 (the last observed step ran γ = 0), spread over the two
-    # sequences' drafts
+    # and it enters Eq. (3) after γ = 0 (the last observed step ran γ = 0)
     _set_context(p, 2, [100, 90, 110, 120, 125], prev_gamma=0)
-    c = 0.029 / 48 * 12 / 2
+    c = 0.029 / 48 * 12
     np.testing.assert_allclose(p.scores(view), [0.01, 1 / 90 + c, 1 / 110 + c / 2,
                                                 1 / 120 + c / 3, 0.008 + c / 4])
 
@@ -594,7 +567,6 @@ def test_load_state_dict_rejects_other_arms_and_garbage():
     ({"reward": "goodput"},
      "reward must be one of decode_marginal, decode_share, step, decode_only"),
     ({"reward": "step", "decode_only_reward": True}, "not both"),
-    ({"amortize": "step"}, "amortize must be one of batch, sequence"),
     ({"drift": -0.1}, "drift must be a number >= 0"),
     ({"drift": float("nan")}, "drift must be a number >= 0"),
     ({"confidence_z": 0}, "confidence_z must be a number > 0"),
