@@ -59,13 +59,13 @@ class PrefillCost:
         """The step's time less its prefill chunks' marginal cost (b per prompt token, at most
         their proportional share); ``outcome.decode_time`` while the fit cannot tell."""
         proportional = outcome.decode_time
-        prefill = outcome.num_prefill_tokens
-        if proportional == outcome.step_time or prefill <= 0:  # nothing to take out
+        if proportional == outcome.step_time:  # no prefill tokens: nothing to take out
             return proportional
         b = self.slope()
         if b is None:
             return proportional
-        return outcome.step_time - min(b * prefill, outcome.step_time - proportional)
+        return outcome.step_time - min(b * outcome.num_prefill_tokens,
+                                       outcome.step_time - proportional)
 
     def state_dict(self) -> dict[str, Any]:
         return {"sums": list(self.sums)}
