@@ -223,6 +223,33 @@ def test_trace_option_takes_any_azure_format_csv(tmp_path, monkeypatch):
                                                   str(tmp_path / "missing.csv")))
 
 
+def test_a_schedule_option_implies_its_schedule_and_refuses_another(tmp_path):
+    """`--trace PATH` alone replays the trace (it used to run the default Poisson schedule and
+    ignore the file); an option of one schedule given with another is an error, not dropped."""
+    from jspec.bench import serving
+
+    own = write(tmp_path / "kept_back.csv", HAND)
+    arrivals = serving.build_arrivals(parse_serving_args("--trace", str(own)))
+    assert arrivals.kind == "trace" and len(arrivals) == 3
+    assert serving.arrival_schedule(parse_serving_args("--steps", "0:1,5:2")) == "step"
+    assert serving.arrival_schedule(parse_serving_args("--arrivals", "trace")) == "trace"
+    assert serving.arrival_schedule(parse_serving_args()) == "poisson"
+    assert serving.arrival_schedule(parse_serving_args("--rate", "9")) == "poisson"
+    assert serving.arrival_schedule(parse_serving_args("--burst-size", "4")) == "burst"
+    assert serving.arrival_schedule(parse_serving_args("--time-scale", "2")) == "trace"
+    for argv, match in [
+        (("--arrivals", "poisson", "--trace", str(own)), "--trace shapes --arrivals trace, "
+                                                         "not --arrivals poisson"),
+        (("--arrivals", "poisson", "--time-scale", "2", "--rate-scale", "0.5"),
+         "--time-scale, --rate-scale shape --arrivals trace, not --arrivals poisson"),
+        (("--trace", str(own), "--rate", "3"), "--rate shapes --arrivals poisson"),
+        (("--arrivals", "burst", "--steps", "0:1"), "--steps shapes --arrivals step"),
+        (("--trace", str(own), "--steps", "0:1"), "the trace and step arrival schedules"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            serving.build_arrivals(parse_serving_args(*argv))
+
+
 # ----------------------------------------------------------------------------- metric math
 def timeline() -> list[RequestRecord]:
     a = RequestRecord("a", arrival=0.0, prompt_tokens=10, max_tokens=4,

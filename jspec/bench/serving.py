@@ -83,7 +83,16 @@ from jspec.bench.serving_metrics import (RequestRecord, StepRecords, compute_met
 
 FORMAT = "jspec-serving-bench-v1"
 ARRIVALS = ("poisson", "batch", "step", "burst", "trace")
+DEFAULT_TRACE = "conv"  # what --arrivals trace replays without --trace
 DEFAULT_NUM_REQUESTS = 64  # when an open-ended arrival process is given no limit
+# options that shape only one arrival schedule, with their defaults: given with another
+# schedule they would be ignored, so they are refused instead
+SCHEDULE_DEFAULTS = {
+    "trace": {"trace": None, "time_scale": 1.0, "rate_scale": 1.0, "window_start": 0.0},
+    "step": {"steps": None},
+    "burst": {"burst_period": 10.0, "burst_size": 8, "burst_base_rate": 0.0},
+    "poisson": {"rate": 2.0},
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -182,24 +191,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="seeds prompt sampling, arrivals and per-request sampling")
 
     load = p.add_argument_group("arrivals")
-    load.add_argument("--arrivals", choices=ARRIVALS, default="poisson")
-    load.add_argument("--rate", type=float, default=2.0, help="requests/s (poisson)")
+    load.add_argument("--arrivals", choices=ARRIVALS, default=None,
+                      help="the arrival schedule (default: trace when --trace is given, step "
+                           "when --steps is, else poisson)")
+    defaults = SCHEDULE_DEFAULTS
+    load.add_argument("--rate", type=float, default=defaults["poisson"]["rate"],
+                      help="requests/s (poisson)")
     load.add_argument("--process", choices=arr.PROCESSES, default="poisson",
                       help="poisson/step/burst: random (poisson) or evenly spaced (regular)")
     load.add_argument("--steps", default=None, metavar="T:RATE,...",
                       help="step pattern: rate RATE from second T, e.g. 0:1,30:4,60:1")
-    load.add_argument("--burst-period", type=float, default=10.0)
-    load.add_argument("--burst-size", type=int, default=8)
-    load.add_argument("--burst-base-rate", type=float, default=0.0)
-    load.add_argument("--trace", default="conv", metavar="NAME|PATH",
-                      help=f"a shipped Azure trace ({', '.join(sorted(arr.TRACE_FILES))}: the "
-                           "shared data copy) or the path of any CSV in the Azure trace format "
-                           "(TIMESTAMP, ContextTokens, GeneratedTokens) (default: %(default)s)")
-    load.add_argument("--time-scale", type=float, default=1.0,
+    load.add_argument("--burst-period", type=float, default=defaults["burst"]["burst_period"])
+    load.add_argument("--burst-size", type=int, default=defaults["burst"]["burst_size"])
+    load.add_argument("--burst-base-rate", type=float,
+                      default=defaults["burst"]["burst_base_rate"])
+    load.add_argument("--trace", default=None, metavar="NAME|PATH",
+                      help=f"replay a shipped Azure trace ({', '.join(sorted(arr.TRACE_FILES))}: "
+                           "the shared data copy) or the path of any CSV in the Azure trace "
+                           "format (TIMESTAMP, ContextTokens, GeneratedTokens); implies "
+                           f"--arrivals trace (which alone replays {DEFAULT_TRACE})")
+    load.add_argument("--time-scale", type=float, default=defaults["trace"]["time_scale"],
                       help="trace: multiply arrival times (2 = half the rate)")
-    load.add_argument("--rate-scale", type=float, default=1.0,
+    load.add_argument("--rate-scale", type=float, default=defaults["trace"]["rate_scale"],
                       help="trace: thin (<1) or replicate (>1) requests")
-    load.add_argument("--window-start", type=float, default=0.0,
+    load.add_argument("--window-start", type=float, default=defaults["trace"]["window_start"],
                       help="trace: start of the replayed window, trace seconds")
     load.add_argument("--duration", type=float, default=None,
                       help="seconds of arrivals (a trace: of replay, i.e. after time scaling)")
@@ -293,28 +308,51 @@ def with_elastic_runs(policies: list[dict], args: argparse.Namespace) -> list[di
 
 
 # ----------------------------------------------------------------------------- arrivals
+def arrival_schedule(args: argparse.Namespace) -> str:
+    """The arrival schedule the command line asks for: ``--arrivals``, or, when it is not given,
+    the one whose options were (``--trace PATH`` alone replays that trace). An option of another
+    schedule is an error, not silently ignored."""
+    given = {kind: [name for name, default in opts.items()
+                    if getattr(args, name) != default]
+             for kind, opts in SCHEDULE_DEFAULTS.items()}
+    kind = args.arrivals
+    if kind is None:
+        implied = [k for k, names in given.items() if names and k != "poisson"]
+        if len(implied) > 1:
+            raise ValueError(f"options of the {' and '.join(implied)} arrival schedules were "
+                             "given: choose one with --arrivals")
+        kind = implied[0] if implied else "poisson"
+    for other, names in given.items():
+        if other != kind and names:
+            flags = ", ".join("--" + n.replace("_", "-") for n in names)
+            raise ValueError(f"{flags} shape{'s' if len(names) == 1 else ''} --arrivals "
+                             f"{other}, not --arrivals {kind}")
+    return kind
+
+
 def build_arrivals(args: argparse.Namespace) -> arr.Arrivals:
     num, duration = args.num_requests, args.duration
-    if args.arrivals != "trace" and num is None and duration is None:
+    kind = arrival_schedule(args)
+    if kind != "trace" and num is None and duration is None:
         num = DEFAULT_NUM_REQUESTS
-    if args.arrivals == "poisson":
+    if kind == "poisson":
         return arr.poisson(args.rate, duration=duration, num_requests=num, seed=args.seed,
                            process=args.process)
-    if args.arrivals == "batch":
+    if kind == "batch":
         if duration is not None:
             raise ValueError("--arrivals batch sends everything at t = 0: give --num-requests, "
                              "not --duration")
         return arr.batch(num)
-    if args.arrivals == "step":
+    if kind == "step":
         if not args.steps:
             raise ValueError("--arrivals step needs --steps T:RATE,... (e.g. 0:1,30:4,60:1)")
         return arr.step(arr.parse_segments(args.steps), duration=duration, num_requests=num,
                         seed=args.seed, process=args.process)
-    if args.arrivals == "burst":
+    if kind == "burst":
         return arr.burst(args.burst_period, args.burst_size, duration=duration,
                          num_requests=num, base_rate=args.burst_base_rate, seed=args.seed,
                          process=args.process)
-    trace = arr.read_azure_trace(arr.trace_path(args.trace))
+    trace = arr.read_azure_trace(arr.trace_path(args.trace or DEFAULT_TRACE))
     if not args.time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
     window = None if duration is None else duration / args.time_scale
