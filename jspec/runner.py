@@ -308,25 +308,38 @@ class ModelRunner:
         one = seg(self._one_array_blocks)
         return KVCache(one, one)
 
+    def _attention(self, max_q_len: int | None):
+        """The attention function, told (statically) that no sequence brings more than
+        ``max_q_len`` new tokens when that is known: a decode-only verification then attends in
+        one query tile per sequence instead of the ragged bound's up to twice as many, each of
+        which gathers its sequence's whole context (``_tile_plan``)."""
+        if max_q_len is None:
+            return self._attn
+        return functools.partial(self._attn, max_q_len=max_q_len)
+
     def verify_executable(self, num_tokens: int, num_seqs: int, gamma: int,
-                          segmented: bool = False):
+                          segmented: bool = False, decode_only: bool = False):
         """The target forward over a ragged batch; with γ > 0 the drafted tokens are scattered
         into their placeholder slots on device first. γ = 0 takes no draft arguments at all.
-        ``segmented``: over the pool with its extension segment (γ = 0 only)."""
+        ``segmented``: over the pool with its extension segment (γ = 0 only). ``decode_only``:
+        every sequence brings at most γ + 1 tokens (the forward inside
+        ``verify_accept_executable``, which the step benchmark replays alone)."""
+        attn = self._attention(gamma + 1 if decode_only else None)
+
         def build():
             specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1))]
             if gamma:
                 fn = functools.partial(device_steps.verify_forward, cfg=self.target.cfg,
-                                       attention_fn=self._attn, mesh=self.mesh)
+                                       attention_fn=attn, mesh=self.mesh)
                 specs += [self._sds((num_seqs, gamma), jnp.int32)] * 2
             else:
-                fn = functools.partial(forward, cfg=self.target.cfg,
-                                       attention_fn=self._attn, mesh=self.mesh)
+                fn = functools.partial(forward, cfg=self.target.cfg, attention_fn=attn,
+                                       mesh=self.mesh)
             return self._compile(fn, specs, donate_kv=True)
 
-        return self._executable(("verify", num_tokens, num_seqs, gamma, segmented), self.target,
-                                build)
+        return self._executable(("verify", num_tokens, num_seqs, gamma, segmented, decode_only),
+                                self.target, build)
 
     def verify_accept_executable(self, num_seqs: int, gamma: int, segmented: bool = False):
         """A decode-only step (num_seqs * (1 + γ) tokens): forward and sampling in one call."""
@@ -335,7 +348,7 @@ class ModelRunner:
         def build():
             vocab = self.target.cfg.vocab_size
             fn = functools.partial(device_steps.verify_and_accept, cfg=self.target.cfg,
-                                   attention_fn=self._attn, mesh=self.mesh)
+                                   attention_fn=self._attention(gamma + 1), mesh=self.mesh)
             specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs)]

@@ -185,6 +185,7 @@ def ragged_paged_attention_tiled(
     sliding_window: int | None = None,
     q_block: int | None = None,
     chunk_pages: int | None = None,
+    max_q_len: int | None = None,
 ) -> jax.Array:
     """Pure-jnp attention that reads each sequence's pages once per query tile, not per token.
 
@@ -198,11 +199,14 @@ def ragged_paged_attention_tiled(
     backend runs (CPU, TPU, GPUs without Pallas); the per-token function stays as the oracle.
 
     ``q_block`` defaults to ``reference_q_block(T, S)``; with 1 this is the per-token reference.
+    ``max_q_len``: a static bound on every sequence's new tokens, which the caller guarantees
+    (a decode-only verification: γ + 1). The tile is then that long and there is one tile per
+    sequence, where the general bound would gather the context of up to ``T / q_block`` more.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_pages = md.page_table.shape
     if q_block is None:
-        q_block = reference_q_block(num_tokens, num_seqs)
+        q_block = max_q_len or reference_q_block(num_tokens, num_seqs)
     if q_block <= 1:
         return ragged_paged_attention_reference(q, k_pool, v_pool, layer, md, sm_scale=sm_scale,
                                                 sliding_window=sliding_window,
@@ -211,7 +215,7 @@ def ragged_paged_attention_tiled(
     group = num_heads // kv_heads
     page_table, chunk_pages, chunk = _page_chunks(md.page_table, block_size, chunk_pages)
     tile_seq, tile_q_start, _, _, token_tile, token_row = _tile_plan(
-        md, num_tokens, q_block, block_size, sliding_window)
+        md, num_tokens, q_block, block_size, sliding_window, max_q_len)
     num_tiles = tile_seq.shape[0]
     # tile rows -> flat tokens; rows past their sequence's end are masked out entirely
     q_idx = tile_q_start[:, None] + jnp.arange(q_block, dtype=jnp.int32)[None, :]
@@ -251,14 +255,17 @@ def default_q_block(group: int, rows: int = 32) -> int:
 
 
 def _tile_plan(md: AttentionMetadata, num_tokens: int, q_block: int, block_size: int,
-               sliding_window: int | None):
+               sliding_window: int | None, max_q_len: int | None = None):
     """Per query tile: (sequence, first token, first page, end page); per token: its tile and row.
 
     Pure jnp on the metadata (jittable, no host sync). Tiles are numbered sequence by sequence;
-    ``num_tiles = ceil(T / q_block) + S`` bounds the real count statically.
+    ``num_tiles = ceil(T / q_block) + S`` bounds the real count statically, and so does
+    ``S * ceil(max_q_len / q_block)`` when no sequence brings more than ``max_q_len`` tokens.
     """
     num_seqs = md.kv_lens.shape[0]
     num_tiles = -(-num_tokens // q_block) + num_seqs
+    if max_q_len is not None:
+        num_tiles = min(num_tiles, num_seqs * -(-max_q_len // q_block))
     q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
     seq_tiles = (q_lens + q_block - 1) // q_block
     cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seq_tiles).astype(jnp.int32)])
@@ -358,13 +365,17 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     q_block: int | None = None,
+    max_q_len: int | None = None,
     interpret: bool = False,
     compiler_params=None,
 ) -> jax.Array:
     """The Pallas kernel; same arguments and result as ``ragged_paged_attention_reference``.
 
-    ``q_block``: tokens per query tile (default ``default_q_block``). ``interpret`` runs the
-    kernel through Pallas' interpreter (any backend, CPU included; that is how the tests run it).
+    ``q_block``: tokens per query tile (default ``default_q_block``). ``max_q_len``: a static
+    bound on every sequence's new tokens, which the caller guarantees; it shrinks the grid to
+    ``S * ceil(max_q_len / q_block)`` tiles when that is fewer (``_tile_plan``). ``interpret``
+    runs the kernel through Pallas' interpreter (any backend, CPU included; that is how the
+    tests run it).
     Query heads per kv head are padded to a power of two (GPU block shapes must be); the padding
     rows compute nothing anyone reads.
     """
@@ -380,7 +391,7 @@ def ragged_paged_attention(
     q_block = q_block or default_q_block(group)
     rows = q_block * gp
     (tile_seq, tile_q_start, first_page, end_page, token_tile,
-     token_row) = _tile_plan(md, num_tokens, q_block, block_size, sliding_window)
+     token_row) = _tile_plan(md, num_tokens, q_block, block_size, sliding_window, max_q_len)
     num_tiles = tile_seq.shape[0]
 
     # q -> [kv_heads, (T + q_block) * gp, D], rows token-major within each kv head, so a tile is

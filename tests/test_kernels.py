@@ -199,6 +199,28 @@ def test_reference_q_block():
 
 
 
+@pytest.mark.parametrize("name", ["gqa1-d64-bs16-f32", "gqa3-d64-bs4-window-f32",
+                                  "gqa2-d64-bs16-bf16"])
+def test_a_bound_on_new_tokens_gives_one_tile_per_sequence_and_the_same_attention(name):
+    """A decode-only verification (every sequence at most γ + 1 = 5 tokens, a padding row, flat
+    padding tokens): with ``max_q_len`` the tiled path and the kernel plan one tile per sequence
+    (the ragged bound plans ceil(T / q_block) + S) and still match the per-token oracle."""
+    from pallas_kernels.ragged_paged_attention import _tile_plan
+
+    kernel_dtype = CASES[name][5]
+    head_dim, block_size, window = CASES[name][2], CASES[name][3], CASES[name][6]
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, max_q_len=5)
+    _, ref = _fns(name)
+    q, k, v, md, live = _make_inputs(name, [5, 1, 5, 3], [37, 5, 64, 18], seed=7)
+    assert _tile_plan(md, T, 5, block_size, window, max_q_len=5)[0].shape == (S,)
+    assert _tile_plan(md, T, 5, block_size, window)[0].shape == (-(-T // 5) + S,)
+    expect = np.asarray(ref(q, k, v, 1, md).astype(jnp.float32))[:live]
+    for out in (ragged_paged_attention_tiled(q, k, v, 1, md, **kw),
+                ragged_paged_attention(q, k, v, 1, md, interpret=True, **kw)):
+        np.testing.assert_allclose(np.asarray(out.astype(jnp.float32))[:live], expect,
+                                   atol=TOL[kernel_dtype], rtol=0)
+
+
 def _split(pool, n0):
     """A one-array pool as two segments (base ``n0`` blocks, the rest the extension)."""
     return (pool[:, :n0], pool[:, n0:])

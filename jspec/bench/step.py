@@ -61,7 +61,8 @@ def _median(fn, repeats: int = 9) -> float:
 def bare_forward(engine, st) -> float:
     """Seconds of the target forward alone over the batch a step verified."""
     runner = engine.runner
-    exe = runner.verify_executable(st.batch.input_ids.shape[0], st.num_rows, st.gamma)
+    exe = runner.verify_executable(st.batch.input_ids.shape[0], st.num_rows, st.gamma,
+                                   decode_only=not st.has_prefill)
     args = (st.draft_tokens, st.draft_slots) if st.gamma else ()
 
     def call():
