@@ -8,6 +8,8 @@ the draft is, and no host round trip per drafted token.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -83,7 +85,9 @@ def draft_loop(
     # One sampling site: each iteration samples token k from the logits it carries, then (only
     # while some row may draft token k + 1) feeds token k to the draft for the next logits. The
     # sampling graph costs more compile time than the draft's forward, so it is built once.
-    logits0, kv = forward(params, kv, first, cfg=cfg, attention_fn=attention_fn)
+    # ``first`` brings at most 2 tokens per row (input_batch asserts it): one query tile each
+    logits0, kv = forward(params, kv, first, cfg=cfg,
+                          attention_fn=functools.partial(attention_fn, max_q_len=2))
     rows = jnp.arange(num_rows, dtype=jnp.int32)
 
     def feed(k, tok, more, kv):

@@ -445,8 +445,10 @@ class ModelRunner:
 
         def build():
             vocab = m.cfg.vocab_size
+            # a drafting row brings its 1-2 pending tokens and its γ_i <= γ drafted ones
             fn = functools.partial(device_steps.intermediate_verify, cfg=m.cfg,
-                                   attention_fn=self._attn, with_signal=with_signal)
+                                   attention_fn=self._attention(gamma + 2),
+                                   with_signal=with_signal)
             i32, f32 = jnp.int32, jnp.float32
             draft = device_steps.DraftResult(
                 tokens=self._sds((num_seqs, gamma), i32),

@@ -81,6 +81,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     chunk_pages: int | None = None,
+    max_q_len: int | None = None,
 ) -> jax.Array:
     """Pure-jnp reference.
 
@@ -88,6 +89,9 @@ def ragged_paged_attention_reference(
     k_pool:  [layers, num_blocks, block_size, kv_heads, head_dim] (v_pool alike), or a tuple
              of such segments numbering their blocks on (``pallas_kernels.segments``)
     layer:   which layer of the stacked pools to read
+    max_q_len: the bound on any sequence's new tokens that every attention function takes
+             (the tiled path and the kernel plan their tiles with it); this per-token path
+             has no tiles, so it does not need it
     returns  [T, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
