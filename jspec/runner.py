@@ -311,7 +311,7 @@ class ModelRunner:
     def _attention(self, max_q_len: int | None):
         """The attention function, told (statically) that no sequence brings more than
         ``max_q_len`` new tokens when that is known: a decode-only verification then attends in
-        one query tile per sequence instead of the ragged bound's up to twice as many, each of
+        one query tile per sequence instead of the ragged bound's 2-2.5 times as many, each of
         which gathers its sequence's whole context (``_tile_plan``)."""
         if max_q_len is None:
             return self._attn
