@@ -20,6 +20,11 @@ from models.transformer import KVCache, ModelInput, forward
 from pallas_kernels.pytree import array_dataclass
 from pallas_kernels.ragged_paged_attention import AttentionMetadata
 
+# Most tokens a pool model has not yet seen when it drafts or verifies (the newest token, and the
+# bonus token before it): longer lags are caught up first (input_batch.catch_up_segments). The
+# batch widths below and the attention's tile bound rely on it.
+MAX_PENDING = 2
+
 _DRAFT_STREAM = 3
 
 
@@ -85,9 +90,9 @@ def draft_loop(
     # One sampling site: each iteration samples token k from the logits it carries, then (only
     # while some row may draft token k + 1) feeds token k to the draft for the next logits. The
     # sampling graph costs more compile time than the draft's forward, so it is built once.
-    # ``first`` brings at most 2 tokens per row (input_batch asserts it): one query tile each
+    # ``first`` brings at most MAX_PENDING tokens per row (input_batch asserts it): one tile each
     logits0, kv = forward(params, kv, first, cfg=cfg,
-                          attention_fn=functools.partial(attention_fn, max_q_len=2))
+                          attention_fn=functools.partial(attention_fn, max_q_len=MAX_PENDING))
     rows = jnp.arange(num_rows, dtype=jnp.int32)
 
     def feed(k, tok, more, kv):

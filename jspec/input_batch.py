@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from jspec.block_manager import BlockManager
+from jspec.device_steps import MAX_PENDING
 from jspec.sampler import SamplingTensors
 from jspec.sequence import Sequence
 from models.transformer import ModelInput
@@ -121,7 +122,7 @@ def _feed_pending(seq: Sequence, model: int, start: int, input_ids: np.ndarray,
     how many were pending."""
     first, end = seq.draft_computed[model], seq.num_tokens
     pending = end - first
-    assert 1 <= pending <= 2, "a pool model's lag must be caught up before it runs"
+    assert 1 <= pending <= MAX_PENDING, "a pool model's lag must be caught up before it runs"
     for j in range(pending):
         input_ids[start + j] = seq.token_at(first + j)
     positions[start:start + pending + num_drafts] = np.arange(first, end + num_drafts)
@@ -135,7 +136,7 @@ def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray, mod
 
     Returns (batch with 2*S tokens and S logits rows, next_positions [S], gammas [S]).
     """
-    num_tokens = 2 * num_rows
+    num_tokens = MAX_PENDING * num_rows
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     cu_q_lens = np.zeros(num_rows + 1, np.int32)
@@ -167,7 +168,7 @@ def intermediate_input(rows: list[RowWork], num_rows: int, gamma: int, table: np
     verify batch); prefill and non-drafting rows bring nothing. Logits rows are dense [S, G+1]
     (column j judges draft token j+1; column γ_i is the bonus). Returns (batch with
     ``num_rows * (G + 2)`` tokens, draft_slots [S, G])."""
-    num_tokens = num_rows * (gamma + 2)
+    num_tokens = num_rows * (gamma + MAX_PENDING)
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     cu_q_lens = np.zeros(num_rows + 1, np.int32)
@@ -201,7 +202,7 @@ def catch_up_segments(rows: list[RowWork], model: int = 0
     for i, row in enumerate(rows):
         seq = row.seq
         computed = seq.draft_computed[model]
-        if row.gamma_planned > 0 and seq.num_tokens - computed > 2:
+        if row.gamma_planned > 0 and seq.num_tokens - computed > MAX_PENDING:
             segments.append((seq, i, computed, seq.num_tokens - 1))
     return segments
 

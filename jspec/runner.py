@@ -425,7 +425,7 @@ class ModelRunner:
             s = (num_seqs,)
             specs = (
                 _spec(m.params), _spec(self.pool_kv[model]),
-                self._input_spec(2 * num_seqs, num_seqs, num_seqs),
+                self._input_spec(device_steps.MAX_PENDING * num_seqs, num_seqs, num_seqs),
                 self._sds(s, i32),
                 self._sds((num_seqs, self.rc.max_pages), i32),
                 self._sds(s, i32),
@@ -439,15 +439,16 @@ class ModelRunner:
 
     def intermediate_executable(self, num_seqs: int, gamma: int, model: int):
         """Pool model ``model`` verifying a γ-token draft inside a chain
-        (``device_steps.intermediate_verify``) over ``num_seqs * (gamma + 2)`` tokens."""
+        (``device_steps.intermediate_verify``) over ``num_seqs * (gamma + MAX_PENDING)`` tokens."""
         m = self.pool[model]
         with_signal = "accept_prob" in self.signals
 
         def build():
             vocab = m.cfg.vocab_size
-            # a drafting row brings its 1-2 pending tokens and its γ_i <= γ drafted ones
+            # a drafting row brings its pending tokens and its γ_i <= γ drafted ones
+            width = gamma + device_steps.MAX_PENDING
             fn = functools.partial(device_steps.intermediate_verify, cfg=m.cfg,
-                                   attention_fn=self._attention(gamma + 2),
+                                   attention_fn=self._attention(width),
                                    with_signal=with_signal)
             i32, f32 = jnp.int32, jnp.float32
             draft = device_steps.DraftResult(
@@ -457,7 +458,7 @@ class ModelRunner:
                 confidence=self._sds((num_seqs, gamma), f32),
                 entropy=self._sds((num_seqs, gamma), f32))
             specs = (_spec(m.params), _spec(self.pool_kv[model]),
-                     self._input_spec(num_seqs * (gamma + 2), num_seqs, num_seqs * (gamma + 1)),
+                     self._input_spec(num_seqs * width, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs), draft,
                      self._sds((num_seqs, gamma), i32))
             return self._compile(fn, specs, donate_kv=True)
