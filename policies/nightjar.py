@@ -19,8 +19,8 @@ After each step τ_B += 1; τ_B > √H_B ends the bin (b_B += 1, τ_B = 1); b_B 
 (j_B += 1, H_B = 2^(j_B−1), b_B = 1). The comparisons are done on integers (τ² > H), which is
 exact because H_B is an integer. Eq. (3) mixes units (1/g̃ is seconds per token, c_prefill/γ
 seconds per drafted token); we keep it exactly as the paper writes it. Spreading the catch-up
-over the batch's drafts instead (c_prefill/(B·γ)) was measured and did worse at saturation
-(docs/benchmarks.md, round 6).
+over the batch's drafts instead (c_prefill/(n·γ), n the decoding sequences) was measured and
+did worse at saturation (docs/benchmarks.md, round 6).
 
 Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0, prior=false``
 is the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the
