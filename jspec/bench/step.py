@@ -5,7 +5,7 @@ sequence past its prompt) and the benchmark prints, per step:
 
 * ``step``: the engine's ``LLMEngine.step`` wall time (median), as it runs when serving;
 * ``fwd``: the bare target forward over the very ragged batch that step verified (its compiled
-  executable replayed on the same inputs, median of 9 calls);
+  executable replayed on the same inputs right after the step);
 * ``draft``: the bare draft loop on the same inputs (0 at γ = 0);
 * ``step / (fwd + draft)``: the engine's own overhead as a ratio (1.00 = none);
 * the share of each stage (``policies.base.STAGES``) in a second pass whose device stages are
@@ -58,8 +58,9 @@ def _median(fn, repeats: int = 9) -> float:
     return statistics.median(times)
 
 
-def bare_forward(engine, st) -> float:
-    """Seconds of the target forward alone over the batch a step verified."""
+def _forward_call(engine, st):
+    """A call of the target forward alone over the batch ``st`` verified (its compiled
+    executable on the same inputs; it rewrites the same K/V, so the engine's state is kept)."""
     runner = engine.runner
     exe = runner.verify_executable(st.batch.input_ids.shape[0], st.num_rows, st.gamma,
                                    decode_only=not st.has_prefill)
@@ -69,15 +70,28 @@ def bare_forward(engine, st) -> float:
         logits, runner.target_kv = exe(runner.target.params, runner.target_kv, st.batch, *args)
         return logits
 
-    return _median(call)
+    return call
 
 
-def bare_draft(engine, st) -> float:
-    """Seconds of the draft loop alone on the inputs a step drafted from (0 without one)."""
+def _draft_call(engine, st):
+    """A call of the draft loop alone on the inputs ``st`` drafted from (None without one)."""
     if not st.gamma or st.draft_inputs is None:
-        return 0.0
+        return None
     runner = engine.runner
-    return _median(lambda: runner.run_draft(*st.draft_inputs, st.sampling, st.gamma).tokens)
+    return lambda: runner.run_draft(*st.draft_inputs, st.sampling, st.gamma).tokens
+
+
+def bare_forward(engine, st) -> float:
+    """Seconds of the target forward alone over the batch a step verified."""
+    return _median(_forward_call(engine, st))
+
+
+def _timed(fn) -> float:
+    import jax
+
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
 
 
 def _engine(args, gamma: int, max_num_seqs: int, max_model_len: int | None):
@@ -109,7 +123,9 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
         engine.step()
     for _ in range(3):  # settle: draft catch-up after prefill, first compilations
         engine.step()
-    times = []
+    # each measured step is followed by its bare forward and draft loop on the same inputs, so
+    # the three medians see the same machine (a 2-core VM drifts by tens of percent in a minute)
+    times, fwds, drafts = [], [], []
     if trace:
         import jax
 
@@ -118,14 +134,24 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+        if trace:
+            continue
+        st = engine.last_step
+        fwds.append(_timed(_forward_call(engine, st)))
+        draft = _draft_call(engine, st)
+        drafts.append(_timed(draft) if draft else 0.0)
     if trace:
         import jax
 
         jax.profiler.stop_trace()
     step_s = statistics.median(times)
     last = engine.last_step
-    fwd = bare_forward(engine, last)
-    draft = bare_draft(engine, last)
+    if trace:  # the trace holds the steps alone; the replays come after it
+        fwd = bare_forward(engine, last)
+        draft = _draft_call(engine, last)
+        draft = _median(draft) if draft else 0.0
+    else:
+        fwd, draft = statistics.median(fwds), statistics.median(drafts)
     # second pass, device stages synced: the share of each stage
     engine.time_stages = True
     stage = {}
