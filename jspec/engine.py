@@ -693,12 +693,19 @@ class LLMEngine:
                 inter_prob[:, :gamma] = np.where(mask, st.intermediate.accept_prob[idx], np.nan)
         emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
 
+        unread = None
+
         def signal(name):
+            nonlocal unread
+            if not (gamma and signals is not None and name in signals):
+                if unread is None:  # one read-only array for every signal not computed
+                    unread = np.full((n, self.max_gamma), np.nan, np.float32)
+                    unread.flags.writeable = False
+                return unread
             out = np.full((n, self.max_gamma), np.nan, np.float32)
-            if gamma and signals is not None and name in signals:
-                vals = np.asarray(signals[name])[idx]
-                mask = np.arange(gamma)[None, :] < verified[:, None]
-                out[:, :gamma] = np.where(mask, vals, np.nan)
+            vals = np.asarray(signals[name])[idx]
+            mask = np.arange(gamma)[None, :] < verified[:, None]
+            out[:, :gamma] = np.where(mask, vals, np.nan)
             return out
 
         t = clock.times

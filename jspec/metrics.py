@@ -86,18 +86,27 @@ class EngineMetrics:
 
     def record_spec(self, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
                     num_emitted: np.ndarray, batch_size: int = 0) -> None:
-        clipped = np.minimum(gammas, self.max_gamma)
-        np.add.at(self.gamma_histogram, clipped, 1)
-        hist = self.gamma_histogram_by_batch.setdefault(
-            batch_bucket(batch_size), np.zeros(self.max_gamma + 1, np.int64))
-        np.add.at(hist, clipped, 1)
+        # bincounts, not np.add.at or a loop per sequence: this runs on every decoding step
+        size = self.max_gamma + 1
+        counts = np.bincount(np.minimum(gammas, self.max_gamma), minlength=size)
+        self.gamma_histogram += counts
+        bucket = batch_bucket(batch_size)
+        hist = self.gamma_histogram_by_batch.get(bucket)
+        if hist is None:
+            hist = self.gamma_histogram_by_batch[bucket] = np.zeros(size, np.int64)
+        hist += counts
         drafting = num_verified > 0
+        if not drafting.any():
+            return
+        accepted = num_accepted[drafting]
         self.spec_decode_num_drafts += int(drafting.sum())
         self.spec_decode_num_draft_tokens += int(num_verified.sum())
-        self.spec_decode_num_accepted_tokens += int(num_accepted.sum())
+        self.spec_decode_num_accepted_tokens += int(accepted.sum())
         self.spec_decode_num_emitted_tokens += int(num_emitted[drafting].sum())
-        for n in num_accepted[drafting]:
-            self.accepted_per_position[:n] += 1
+        # position k counts the drafts that accepted more than k tokens
+        at_least = np.cumsum(np.bincount(np.minimum(accepted, self.max_gamma),
+                                         minlength=size)[::-1])[::-1]
+        self.accepted_per_position += at_least[1:]
 
     @property
     def acceptance_rate(self) -> float:

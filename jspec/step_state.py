@@ -8,6 +8,7 @@ holds stay on device until the step's one transfer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -53,9 +54,10 @@ class StepState:
     def has_prefill(self) -> bool:
         return len(self.decode_idx) < len(self.rows)
 
-    @property
+    @functools.cached_property
     def decode_rows(self) -> list[RowWork]:
-        return [self.rows[i] for i in self.decode_idx]
+        # fixed once planned: the reclaim step only appends prefill rows
+        return [self.rows[i] for i in self.decode_idx.tolist()]
 
     @property
     def draft_tokens(self):
