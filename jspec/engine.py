@@ -693,14 +693,12 @@ class LLMEngine:
                 inter_prob[:, :gamma] = np.where(mask, st.intermediate.accept_prob[idx], np.nan)
         emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
 
-        unread = None
+        computed = signals if gamma and signals is not None else {}
+        unread = np.full((n, self.max_gamma), np.nan, np.float32)
+        unread.flags.writeable = False  # one array shared by every signal not computed
 
         def signal(name):
-            nonlocal unread
-            if not (gamma and signals is not None and name in signals):
-                if unread is None:  # one read-only array for every signal not computed
-                    unread = np.full((n, self.max_gamma), np.nan, np.float32)
-                    unread.flags.writeable = False
+            if name not in computed:
                 return unread
             out = np.full((n, self.max_gamma), np.nan, np.float32)
             vals = np.asarray(signals[name])[idx]

@@ -216,7 +216,8 @@ def ragged_paged_attention_tiled(
         return ragged_paged_attention_reference(q, k_pool, v_pool, layer, md, sm_scale=sm_scale,
                                                 sliding_window=sliding_window,
                                                 chunk_pages=chunk_pages)
-    block_size, kv_heads = seg.segments(k_pool)[0].shape[2:4]
+    pool = seg.segments(k_pool)[0]
+    block_size, kv_heads = pool.shape[2:4]
     group = num_heads // kv_heads
     # 128-token chunks: a tile's scores then stay small enough for the cache (B = 32, γ = 4
     # verify forward 15% faster on CPU than with 256, prefill chunks 3-9%; 64 was slower)
@@ -231,7 +232,7 @@ def ragged_paged_attention_tiled(
     q_pos = jnp.where(row_live, md.positions[q_idx], -1)  # [tiles, qb]; -1 sees no key
     # the dots run in the pool's dtype with float32 accumulation, as the Pallas kernel's do (in
     # bf16 on CPU: 4-8% of a B >= 8 verify forward against widening K/V to float32 first)
-    dtype = seg.segments(k_pool)[0].dtype
+    dtype = pool.dtype
     qf = (q.astype(jnp.float32)[q_idx] * sm_scale).astype(dtype)  # [tiles, qb, H, D]
     qf = qf.reshape(num_tiles, q_block, kv_heads, group, head_dim)
     tile_pages = page_table[tile_seq]  # [tiles, padded pages]

@@ -94,6 +94,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _replay(engine, st) -> tuple[float, float]:
+    """Seconds of one bare target forward and one bare draft loop (0 without one) on ``st``."""
+    draft = _draft_call(engine, st)
+    return _timed(_forward_call(engine, st)), _timed(draft) if draft else 0.0
+
+
 def _engine(args, gamma: int, max_num_seqs: int, max_model_len: int | None):
     from jspec.bench.serving import make_engine
 
@@ -125,7 +131,7 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
         engine.step()
     # each measured step is followed by its bare forward and draft loop on the same inputs, so
     # the three medians see the same machine (a 2-core VM drifts by tens of percent in a minute)
-    times, fwds, drafts = [], [], []
+    times, replays = [], []
     if trace:
         import jax
 
@@ -134,24 +140,18 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-        if trace:
-            continue
-        st = engine.last_step
-        fwds.append(_timed(_forward_call(engine, st)))
-        draft = _draft_call(engine, st)
-        drafts.append(_timed(draft) if draft else 0.0)
+        if not trace:
+            replays.append(_replay(engine, engine.last_step))
     if trace:
         import jax
 
         jax.profiler.stop_trace()
+        # the trace holds the steps alone; the last step is replayed after it
+        replays = [_replay(engine, engine.last_step) for _ in range(9)]
     step_s = statistics.median(times)
     last = engine.last_step
-    if trace:  # the trace holds the steps alone; the replays come after it
-        fwd = bare_forward(engine, last)
-        draft = _draft_call(engine, last)
-        draft = _median(draft) if draft else 0.0
-    else:
-        fwd, draft = statistics.median(fwds), statistics.median(drafts)
+    fwd = statistics.median(r[0] for r in replays)
+    draft = statistics.median(r[1] for r in replays)
     # second pass, device stages synced: the share of each stage
     engine.time_stages = True
     stage = {}
