@@ -15,7 +15,8 @@ from typing import Any, Callable
 ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                         "min_token_bucket", "kernel_backend", "elastic_memory",
                         "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout",
-                        "tensor_parallel_size", "max_logprobs", "enable_prefix_caching")
+                        "tensor_parallel_size", "max_logprobs", "enable_prefix_caching",
+                        "async_scheduling")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +76,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
                         help="keep finished requests' full KV blocks and reuse them for prompts "
                              "that start with the same tokens (vLLM's automatic prefix "
                              "caching; default: on)")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="commit each plain-decoding step while the next one runs (vLLM's "
+                             "name; only where no draft can run: no draft, or policy off / "
+                             "static gamma=0; default: on)")
     engine.add_argument("--kernel-backend", choices=["auto", "pallas", "interpret", "reference"],
                         default=None,
                         help="attention / KV-migration kernels: auto = Pallas on a GPU where they "

@@ -59,6 +59,10 @@ class EngineConfig:
     # whose prompt starts with them reuses them instead of prefilling them again (target and
     # draft pools alike); evicted least recently used, only when blocks are needed
     enable_prefix_caching: bool = True
+    # asynchronous scheduling (vLLM's name; LLMEngine.step): where γ is 0 by construction (no
+    # draft, or a policy that never drafts) the host commits each decoding step while the next
+    # one runs on device; False commits every step before the next is dispatched
+    async_scheduling: bool = True
 
     def __post_init__(self):
         def positive(name):
@@ -87,8 +91,9 @@ class EngineConfig:
         if tp > 1 and self.elastic_memory:
             raise ValueError("elastic_memory does not support tensor_parallel_size > 1 yet: "
                              "its pool migration runs on one device")
-        if not isinstance(self.elastic_memory, bool):
-            raise ValueError(f"elastic_memory must be True or False, got {self.elastic_memory!r}")
+        for name in ("elastic_memory", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         w = self.elastic_low_watermark
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < 1.0:
             raise ValueError(f"elastic_low_watermark must be a fraction in [0, 1), got {w!r}")

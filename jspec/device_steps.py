@@ -163,13 +163,22 @@ def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: Sampling
                       draft_slots: jax.Array | None = None,
                       draft_logits: jax.Array | None = None,
                       num_drafted: jax.Array | None = None, *, cfg: ModelConfig, attention_fn,
-                      mesh=None):
+                      mesh=None, carried: jax.Array | None = None,
+                      carry_rows: jax.Array | None = None):
     """A decode-only step's verification in one call: the target forward, then rejection
     sampling of the drafts or, without drafts (γ = 0: no draft arguments at all), plain
     sampling. Returns (VerifyResult, logits, kv); the logits stay on device for the policy's
     signals. Steps that carry prefill run the forward and the sampling as two executables
-    instead (compiled per token bucket, the sampling graph would multiply the compile time)."""
+    instead (compiled per token bucket, the sampling graph would multiply the compile time).
+
+    γ = 0 also takes ``carried`` [S, 1] (the previous step's sampled tokens, still on device)
+    and ``carry_rows`` [S]: row i's input token is ``carried[carry_rows[i]]`` where that is
+    >= 0, else the host's. Asynchronous scheduling dispatches a step before the host has seen
+    the tokens it feeds (LLMEngine.step)."""
     if draft_tokens is None:
+        row_ids = jnp.where(carry_rows >= 0, carried[jnp.maximum(carry_rows, 0), 0],
+                            batch.input_ids)
+        batch = ModelInput(row_ids, batch.attn, batch.logits_indices)
         logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh)
         return sample_tokens(logits, st), logits, kv
     logits, kv = verify_forward(params, kv, batch, draft_tokens, draft_slots, cfg=cfg,

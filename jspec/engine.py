@@ -30,7 +30,7 @@ from jspec.platform import device_free_bytes
 from jspec.runner import LoadedModel, ModelRunner
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler import Scheduler, SchedulerConfig
-from jspec.sequence import Sequence, SequenceStatus
+from jspec.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from jspec.step_state import StageClock, StepState
 from models.sharding import check_shardable
 from models.transformer import KVCache
@@ -192,6 +192,11 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.last_outcome: StepOutcome | None = None
         self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
+        # Asynchronous scheduling (vLLM's name): a decode-only γ = 0 step runs while the host
+        # commits the one before it, whose sampled tokens feed it on device (``step``). Only
+        # where γ is 0 by construction: a policy that never drafts, or no draft at all.
+        self._never_drafts = draft is None or max(self.policy.possible_gammas()) == 0
+        self._inflight: StepState | None = None  # dispatched, not yet committed
         self._step_listeners: list[Callable[[StepOutcome], None]] = []
         # several hosts (jspec/distributed.py): the leader's requests, aborts and policy
         # decisions, shared so that every process runs the same steps
@@ -374,16 +379,37 @@ class LLMEngine:
         return decide() if self.sync is None else self.sync.share(decide)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule, plan, draft, verify, commit; returns the outputs committed.
+
+        Asynchronous scheduling: a decode-only step that cannot draft (``_defers``) is left in
+        flight, and the next call dispatches its successor before committing it. The host's
+        work for step N (read back the tokens, detokenize, check stops, build outputs, the
+        record) then overlaps the device's step N + 1, whose input tokens are step N's, still
+        on device. Meanwhile each sequence holds ``PENDING_TOKEN`` where its step-N token goes
+        (``_hold``), so the scheduler and the plan see the lengths they would after the commit.
+        A sequence that stops at step N wasted its slot of step N + 1, which is dropped.
+        """
         if self.sync is not None:
             events = self.sync.share(self._take_events)
             if not self.sync.leader:
                 self._replay(events)
         if self.elastic is not None:
             self._elastic_tick()
-        clock = StageClock(sync=self.time_stages or self.policy.timed_stages)
         outputs, self._pending_outputs = self._pending_outputs, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            if self._continues(prev):
+                self._hold(prev)
+                self.metrics.num_async_steps += 1
+            else:
+                outputs += self._complete(prev)
+                prev = None
+        clock = StageClock(sync=self.time_stages or self.policy.timed_stages)
         sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted)
+        if prev is not None and not self._runs_on(prev, sched):
+            raise RuntimeError("asynchronous scheduling: the step after an in-flight step "
+                               "changed its sequences")  # _continues rules this out
         if not sched.scheduled:
             return outputs
         clock.lap("schedule")
@@ -399,33 +425,117 @@ class LLMEngine:
             if len(st.chain) > 1:
                 self._intermediate(st)
                 clock.lap("intermediate", st.num_drafted)
-        logits, result = self._verify(st)  # decode-only steps sample in the same call
-        clock.lap("verify", logits)
-        if result is None:
-            result = self.runner.run_accept(logits, st.draft_logits, st.draft_tokens,
-                                            st.num_drafted, st.sampling, st.gamma)
+        # decode-only steps sample in the same call
+        st.logits, st.result = self._verify(st, prev)
+        clock.lap("verify", st.logits)
+        if prev is not None:  # step N + 1 is running: commit step N meanwhile
+            outputs += self._complete(prev, successor=st)
+            clock.skip()
+        if st.result is None:
+            st.result = self.runner.run_accept(st.logits, st.draft_logits, st.draft_tokens,
+                                               st.num_drafted, st.sampling, st.gamma)
         # only when a request asked: a step without such requests runs nothing for them
-        logprobs = (self.runner.run_logprobs(logits, result.tokens, st.gamma)
-                    if st.wants_logprobs else None)
-        clock.lap("accept", result, logprobs)
-        signals = (self.runner.run_signals(logits, st.draft_logits, st.draft_tokens, st.gamma)
-                   if st.gamma and self.runner.signals else None)
-        clock.lap("signals", signals)
+        if st.wants_logprobs:
+            st.logprobs = self.runner.run_logprobs(st.logits, st.result.tokens, st.gamma)
+        clock.lap("accept", st.result, st.logprobs)
+        if st.gamma and self.runner.signals:
+            st.signals = self.runner.run_signals(st.logits, st.draft_logits, st.draft_tokens,
+                                                 st.gamma)
+        clock.lap("signals", st.signals)
+        st.clock = clock
+        if self._defers(st):
+            self._inflight = st
+            return outputs
+        return outputs + self._complete(st)
+
+    def _complete(self, st: StepState, successor: StepState | None = None
+                  ) -> list[RequestOutput]:
+        """Read back a dispatched step's results, commit them and record the step.
+        ``successor``: the step already running on this one's tokens (asynchronous
+        scheduling), whose batch gets them written in for the record."""
+        clock = st.clock
+        clock.skip()  # since its dispatch the host did other work (the next step's, a caller's)
         # the step's one host<-device transfer of results (a stage of the commit; it also
         # waits for whatever device work is still running, so it counts as verify time)
         t_fetch = time.perf_counter()
         result, signals, drafted, logprobs = self.runner.fetch(
-            result, signals, st.num_drafted, st.draft_tokens, st.row_gammas(), logprobs)
+            st.result, st.signals, st.num_drafted, st.draft_tokens, st.row_gammas(),
+            st.logprobs)
         if st.intermediate is not None:  # done by now: the transfer above waited for it
             st.first_drafted, st.intermediate = jax.device_get((st.first_drafted,
                                                                 st.intermediate))
         st.fetch_time = time.perf_counter() - t_fetch
-        outputs += self._commit(st, result, drafted, logprobs)
+        if st.held:
+            self._release(st)
+        outputs = self._commit(st, result, drafted, logprobs)
+        if successor is not None:
+            successor.batch = ib.with_carried_tokens(successor.batch, successor.carry_rows,
+                                                     result.tokens[:, 0])
         clock.lap("commit")
         self._observe(st, result, signals, drafted, clock)
+        st.result = st.logits = st.signals = st.logprobs = None  # device buffers: let go
         if self.elastic is not None and not self.scheduler.has_unfinished():
             self._elastic_tick()  # idle from now on: contract while nothing runs
         return outputs
+
+    # ------------------------------------------------------------------ asynchronous scheduling
+    def _async_ready(self) -> bool:
+        """Whether the engine may leave a step in flight at all: a single process, no elastic
+        memory, no synced stage timing, and a policy that never drafts."""
+        return (self._never_drafts and self.config.async_scheduling and self.sync is None
+                and self.elastic is None and not self.time_stages
+                and not self.policy.timed_stages)
+
+    def _defers(self, st: StepState) -> bool:
+        """Leave ``st`` in flight? Only a decode-only γ = 0 step without logprobs whose every
+        sequence is still running and cannot end by length at this step (the last step of a
+        request commits at once, so a finished request never waits for the next call)."""
+        if (st.gamma or st.has_prefill or st.logprobs is not None or st.result is None
+                or not self._async_ready()):
+            return False
+        for row in st.rows:
+            seq = row.seq
+            if (seq.status is not SequenceStatus.RUNNING
+                    or seq.num_output_tokens + 1 >= self._requests[seq.request_id].max_tokens):
+                return False
+        return True
+
+    def _continues(self, prev: StepState) -> bool:
+        """Whether the next step can run on ``prev``'s tokens before they are committed: the
+        same sequences again (nothing aborted or waiting to be admitted), a KV block free for
+        each (so nothing is preempted), and the engine still able to run asynchronously."""
+        sched = self.scheduler
+        n = len(prev.rows)
+        return (self._async_ready() and not sched.num_waiting and sched.num_running == n
+                and self.block_manager.num_free_blocks >= n
+                and all(r.seq.status is SequenceStatus.RUNNING for r in prev.rows))
+
+    @staticmethod
+    def _hold(prev: StepState) -> None:
+        """Give each of ``prev``'s sequences its uncommitted token as ``PENDING_TOKEN``, and
+        count the K/V ``prev`` is writing as computed."""
+        for row in prev.rows:
+            seq = row.seq
+            seq.output_token_ids.append(PENDING_TOKEN)
+            seq.num_computed = seq.num_tokens - 1
+        prev.held = True
+
+    @staticmethod
+    def _release(prev: StepState) -> None:
+        """Undo ``_hold`` before the commit appends the real tokens."""
+        for row in prev.rows:
+            seq = row.seq
+            seq.output_token_ids.pop()
+            seq.num_computed = seq.num_tokens - 1
+        prev.held = False
+
+    @staticmethod
+    def _runs_on(prev: StepState, sched) -> bool:
+        """The step ``sched`` decodes exactly ``prev``'s sequences, one token each."""
+        rows = sched.scheduled
+        return (not sched.preempted and len(rows) == len(prev.rows)
+                and all(s.is_decode for s in rows)
+                and {id(s.seq) for s in rows} == {id(r.seq) for r in prev.rows})
 
     # ------------------------------------------------------------------ elastic memory
     @property
@@ -494,7 +604,7 @@ class LLMEngine:
                        num_rows=self._row_bucket(rows, decode_idx),
                        num_prefill_tokens=num_prefill_tokens)
         st.view = self._batch_view(st)
-        if len(decode_idx) and self.chains:
+        if len(decode_idx) and self.chains and not self._never_drafts:
             t_policy = time.perf_counter()
             st.plan = self._decide(lambda: self.policy.plan(st.view))
             self.metrics.policy_time += time.perf_counter() - t_policy
@@ -619,10 +729,11 @@ class LLMEngine:
             out[i] = n
         st.num_drafted = out
 
-    def _verify(self, st: StepState):
+    def _verify(self, st: StepState, prev: StepState | None = None):
         """One target pass over the ragged batch (drafts scattered in on device): (logits,
         VerifyResult). A decode-only step samples in the same executable (one dispatch fewer
-        per step); a step carrying prefill returns no result and samples in run_accept."""
+        per step); a step carrying prefill returns no result and samples in run_accept.
+        ``prev``: the in-flight step whose sampled tokens (on device) this one feeds."""
         num_tokens = sum((1 + r.gamma_verify) if r.is_decode else r.num_new_tokens
                          for r in st.rows)
         st.num_padded_tokens = self.rc.verify_tokens(num_tokens, st.num_rows, st.gamma,
@@ -633,9 +744,15 @@ class LLMEngine:
         if st.has_prefill:
             return self.runner.run_verify_forward(st.batch, st.draft_tokens, st.draft_slots,
                                                   st.gamma), None
+        carry = None
+        if prev is not None:
+            where = {id(r.seq): i for i, r in enumerate(prev.rows)}
+            st.carry_rows = np.full(st.num_rows, -1, np.int32)
+            st.carry_rows[:len(st.rows)] = [where[id(r.seq)] for r in st.rows]
+            carry = (prev.result.tokens, st.carry_rows)
         result, logits = self.runner.run_verify_accept(
             st.batch, st.draft_tokens, st.draft_slots, st.draft_logits, st.num_drafted,
-            st.sampling, st.gamma)
+            st.sampling, st.gamma, carry)
         return logits, result
 
     def _batch_view(self, st: StepState) -> BatchView:
@@ -736,9 +853,11 @@ class LLMEngine:
             inter_accepted = np.asarray(st.intermediate.accepted).tolist()
         for i, row in enumerate(st.rows):
             seq = row.seq
+            row.num_emitted = 0
+            if seq.status.finished:  # it ended while this step ran (asynchronous scheduling)
+                continue
             req = self._requests[seq.request_id]
             old_num_tokens = seq.num_tokens
-            row.num_emitted = 0
             if not row.samples:  # a prefill chunk that does not reach the end yet
                 seq.num_computed += row.num_new_tokens
                 self._cache_blocks(seq)

@@ -62,6 +62,17 @@ def sampling_tensors(rows: list[RowWork], num_rows: int) -> SamplingTensors:
     return SamplingTensors(temperature, top_k, top_p, seeds, counters)
 
 
+def with_carried_tokens(batch: ModelInput, carry_rows: np.ndarray, tokens: np.ndarray
+                        ) -> ModelInput:
+    """``batch`` (a decode-only γ = 0 batch: token i is row i's) with the tokens its rows took
+    from the previous step on device written in: the host's record of what ran. A new array:
+    the dispatched one may still be in use."""
+    ids = np.array(batch.input_ids)
+    fed = carry_rows >= 0
+    ids[:len(carry_rows)][fed] = tokens[carry_rows[fed]]
+    return ModelInput(ids, batch.attn, batch.logits_indices)
+
+
 def verify_input(rows: list[RowWork], num_tokens: int, num_rows: int, gamma: int,
                  table: np.ndarray) -> tuple[ModelInput, np.ndarray]:
     """The target batch (drafted tokens as placeholders) and where the drafts go.

@@ -21,6 +21,8 @@ class EngineMetrics:
     num_preemptions: int = 0
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
+    # steps dispatched before the previous step was committed (asynchronous scheduling)
+    num_async_steps: int = 0
     # speculation (names follow vLLM's spec_decode_* metrics)
     spec_decode_num_drafts: int = 0  # sequence-steps that drafted
     spec_decode_num_draft_tokens: int = 0  # drafted tokens sent to verification

@@ -108,6 +108,11 @@ def _spec(tree):
     return jax.tree_util.tree_map(one, tree)
 
 
+def _carrying(fn, params, kv, batch, st, carried, carry_rows):
+    """``verify_and_accept`` at γ = 0 with the previous step's tokens as positional inputs."""
+    return fn(params, kv, batch, st, carried=carried, carry_rows=carry_rows)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     cfg: ModelConfig
@@ -168,6 +173,7 @@ class ModelRunner:
         self._draft_host = None  # the draft's params in host memory, once offloaded
         self._draft_shardings = None
         self._local: dict[tuple, Any] = {}
+        self._no_carry_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # migration plans run in chunks of one padded size: one compile, done at warm-up
         self.migrate_bucket = min(256, 1 << (max(16, rc.num_extension_blocks) - 1).bit_length())
         self.num_compiled = 0  # executables this runner had to build (not found in the cache)
@@ -357,6 +363,9 @@ class ModelRunner:
                           self._sds((num_seqs, gamma), jnp.int32),
                           self._sds((num_seqs, gamma, vocab), jnp.float32),
                           self._sds((num_seqs,), jnp.int32)]
+            else:  # the previous step's tokens and where they go (LLMEngine's async steps)
+                fn = functools.partial(_carrying, fn)
+                specs += [self._sds((num_seqs, 1), jnp.int32), self._sds((num_seqs,), jnp.int32)]
             return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("verify_accept", num_seqs, gamma, segmented), self.target,
@@ -506,14 +515,26 @@ class ModelRunner:
         return logits
 
     def run_verify_accept(self, batch: ModelInput, draft_tokens, draft_slots, draft_logits,
-                          num_drafted, st: SamplingTensors, gamma: int):
-        """A decode-only step's verification: (VerifyResult, logits), both on device."""
+                          num_drafted, st: SamplingTensors, gamma: int, carry=None):
+        """A decode-only step's verification: (VerifyResult, logits), both on device.
+        ``carry`` (γ = 0 only): (tokens [S, 1] on device, rows [S]) as ``verify_and_accept``
+        takes them; None feeds every row the host's token."""
         num_seqs = batch.attn.kv_lens.shape[0]
         exe = self.verify_accept_executable(num_seqs, gamma, self._segmented)
-        drafts = (draft_tokens, draft_slots, draft_logits, num_drafted) if gamma else ()
+        if gamma:
+            extra = (draft_tokens, draft_slots, draft_logits, num_drafted)
+        else:
+            extra = carry if carry is not None else self._no_carry(num_seqs)
         result, logits, self.target_kv = exe(self.target.params, self.target_kv, batch, st,
-                                             *drafts)
+                                             *extra)
         return result, logits
+
+    def _no_carry(self, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+        arrays = self._no_carry_arrays.get(num_seqs)
+        if arrays is None:
+            arrays = self._no_carry_arrays[num_seqs] = (
+                np.zeros((num_seqs, 1), np.int32), np.full(num_seqs, -1, np.int32))
+        return arrays
 
     def run_accept(self, logits, draft_logits, draft_tokens, num_drafted, st: SamplingTensors,
                    gamma: int) -> VerifyResult:

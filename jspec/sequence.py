@@ -7,6 +7,12 @@ import enum
 from typing import Any
 
 
+# Where a sequence's newest token goes while the device has sampled it but the host has not read
+# it yet (the engine's asynchronous scheduling, LLMEngine.step): it counts in the sequence's
+# length, and the device feeds the real token wherever the host would have read this one.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

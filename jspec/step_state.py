@@ -44,6 +44,17 @@ class StepState:
     fetch_time: float = 0.0  # the result transfer (inside the commit stage)
     num_tokens: int = 0  # target tokens in the verify batch
     num_padded_tokens: int = 0  # the verify batch's width (its compiled bucket)
+    # dispatched, not yet read back (device): the verify's logits and VerifyResult, the
+    # requested logprobs and the policy's signals; dropped once committed
+    logits: Any = None
+    result: Any = None
+    logprobs: Any = None
+    signals: Any = None
+    clock: "StageClock | None" = None
+    # asynchronous scheduling (LLMEngine.step): the previous step's row whose device token each
+    # row fed (-1: the host's), and whether this step's sequences hold PENDING_TOKEN now
+    carry_rows: np.ndarray | None = None
+    held: bool = False
 
     @property
     def wants_logprobs(self) -> bool:
@@ -84,6 +95,7 @@ class StageClock:
     def __init__(self, sync: bool = False):
         self.sync = sync
         self.start = self.last = time.perf_counter()
+        self.skipped = 0.0
         self.times = dict.fromkeys(STAGES, 0.0)
 
     def lap(self, stage: str, *outputs) -> None:
@@ -93,6 +105,13 @@ class StageClock:
         self.times[stage] += now - self.last
         self.last = now
 
+    def skip(self) -> None:
+        """Leave the time since the last lap out of the step: the host spent it on another
+        step (asynchronous scheduling commits one step while the next one runs)."""
+        now = time.perf_counter()
+        self.skipped += now - self.last
+        self.last = now
+
     @property
     def total(self) -> float:
-        return self.last - self.start
+        return self.last - self.start - self.skipped

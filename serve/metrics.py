@@ -378,6 +378,8 @@ class _EngineCollector:
                  m["num_preemptions"]),
                 ("jspec_engine_requests_aborted", "Requests aborted in the engine",
                  m["num_requests_aborted"]),
+                ("jspec_engine_async_steps", "Steps dispatched while the host still committed "
+                 "the one before (asynchronous scheduling)", m["num_async_steps"]),
                 ("jspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                  "(once per admitted request)", m["prefix_cache_queries"]),
                 ("jspec_prefix_cache_hits", "Prompt tokens whose target K/V came from the "

@@ -3,14 +3,16 @@
 For each batch size B and fixed draft length γ the engine decodes B sequences steadily (every
 sequence past its prompt) and the benchmark prints, per step:
 
-* ``step``: the engine's ``LLMEngine.step`` wall time (median), as it runs when serving;
-* ``fwd``: the bare target forward over the very ragged batch that step verified (its compiled
-  executable replayed on the same inputs right after the step);
+* ``step``: the engine's ``LLMEngine.step`` wall time, as it runs when serving: the median over
+  blocks of consecutive steps, each block timed until its device work is done (with
+  asynchronous scheduling a γ = 0 step returns while its successor runs);
+* ``fwd``: the bare target forward over the very ragged batch the engine verified (its compiled
+  executable replayed on the same inputs right after each block);
 * ``draft``: the bare draft loop on the same inputs (0 at γ = 0);
 * ``step / (fwd + draft)``: the engine's own overhead as a ratio (1.00 = none);
 * the share of each stage (``policies.base.STAGES``) in a second pass whose device stages are
-  synced (``LLMEngine.time_stages``), so the verify forward, sampling/acceptance and signals are
-  told apart.
+  synced (``LLMEngine.time_stages``, which also commits every step before the next), so the
+  verify forward, sampling/acceptance and signals are told apart.
 
 Then prefill: one request per prompt length, the engine's time to its first token against the
 bare forward over the same chunks. Everything runs in this one process; ``--trace DIR`` records
@@ -39,9 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[256, 1024],
                    help="prompt lengths for the prefill rows (clipped to the context limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="commit each γ = 0 step while the next one runs (EngineConfig."
+                        "async_scheduling; default: on)")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     p.add_argument("--trace", metavar="DIR",
                    help="record the measured decode steps with jax.profiler into DIR")
+
+
+BLOCK = 5  # consecutive engine steps per timing
 
 
 def _median(fn, repeats: int = 9) -> float:
@@ -105,7 +113,7 @@ def _engine(args, gamma: int, max_num_seqs: int, max_model_len: int | None):
 
     policy = {"name": "static", "options": {"gamma": gamma}}
     kwargs = {"num_speculative_tokens": max(args.gammas), "max_num_seqs": max_num_seqs,
-              "dtype": args.dtype}
+              "dtype": args.dtype, "async_scheduling": args.async_scheduling}
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     return make_engine(args, policy, kwargs)
@@ -129,22 +137,25 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
         engine.step()
     for _ in range(3):  # settle: draft catch-up after prefill, first compilations
         engine.step()
-    # each measured step is followed by its bare forward and draft loop on the same inputs, so
-    # the three medians see the same machine (a 2-core VM drifts by tens of percent in a minute)
+    # Steps run in blocks of BLOCK, each block timed to the end of its device work (with
+    # asynchronous scheduling a step returns while the next one runs) and followed at once by as
+    # many bare forwards and draft loops on the last step's inputs, so the medians see the same
+    # machine (a 2-core VM drifts by tens of percent in a minute).
+    import jax
+
     times, replays = [], []
     if trace:
-        import jax
-
         jax.profiler.start_trace(trace)
-    for _ in range(steps):
+    for b in range(0, steps, BLOCK):
+        n = min(BLOCK, steps - b)
         t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
+        for _ in range(n):
+            engine.step()
+        jax.block_until_ready(engine.runner.target_kv)
+        times.append((time.perf_counter() - t) / n)
         if not trace:
-            replays.append(_replay(engine, engine.last_step))
+            replays += [_replay(engine, engine.last_step) for _ in range(n)]
     if trace:
-        import jax
-
         jax.profiler.stop_trace()
         # the trace holds the steps alone; the last step is replayed after it
         replays = [_replay(engine, engine.last_step) for _ in range(9)]

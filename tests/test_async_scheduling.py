@@ -1,0 +1,132 @@
+"""Asynchronous scheduling (LLMEngine.step): a decode-only γ = 0 step is dispatched before the
+host commits the one before it, whose tokens feed it on device. Whatever the timing, the engine
+must produce exactly what it produces when every step is committed before the next: same tokens,
+same finish reasons, same streamed deltas, the same KV accounting, stops and aborts included."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_engine, run_to_completion
+from jspec.sampling_params import SamplingParams
+from jspec.sequence import PENDING_TOKEN
+
+
+def _engine(engine_models, async_scheduling: bool, draft=False, **kw):
+    target, agreeing, _ = engine_models
+    return make_engine(target, agreeing if draft else None, async_scheduling=async_scheduling,
+                       **kw)
+
+
+def _params(n: int, temperature: float = 0.0, stop_token_ids=()):
+    """Mixed lengths, so requests finish at different steps while others keep decoding."""
+    return [SamplingParams(max_tokens=6 + 5 * (i % 4), temperature=temperature, seed=100 + i,
+                           ignore_eos=True, stop_token_ids=list(stop_token_ids))
+            for i in range(n)]
+
+
+def _tokens(outs):
+    return {rid: (o.token_ids, o.finish_reason) for rid, o in outs.items()}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_async_equals_sync(engine_models, mixed_prompts, temperature):
+    sync = _engine(engine_models, False)
+    ref = run_to_completion(sync, mixed_prompts, _params(len(mixed_prompts), temperature))
+    assert sync.metrics.num_async_steps == 0
+    eng = _engine(engine_models, True)
+    got = run_to_completion(eng, mixed_prompts, _params(len(mixed_prompts), temperature))
+    assert _tokens(got) == _tokens(ref)
+    assert eng.metrics.num_async_steps > 10  # it did overlap
+    assert eng.metrics.num_generated_tokens == sync.metrics.num_generated_tokens
+    # every block back (prefix caching may keep some cached, but none owned)
+    assert eng.block_manager.num_free_blocks == sync.block_manager.num_free_blocks
+
+
+def test_stop_token_mid_pipeline(engine_models, ten_prompts, greedy_reference):
+    """A request that stops on a token finishes at that token, though its next step was already
+    running; the others are unaffected."""
+    stops = {i: ref[7] for i, ref in enumerate(greedy_reference)}
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                             stop_token_ids=[stops[i]]) for i in range(len(ten_prompts))]
+    got = run_to_completion(_engine(engine_models, True), ten_prompts, params)
+    ref = run_to_completion(_engine(engine_models, False), ten_prompts, params)
+    assert _tokens(got) == _tokens(ref)
+    for i, ref_tokens in enumerate(greedy_reference):
+        out = got[str(i)]
+        cut = ref_tokens.index(stops[i]) + 1
+        assert out.token_ids == ref_tokens[:cut] and out.finish_reason == "stop"
+
+
+def test_streamed_deltas_add_up_and_never_show_the_pending_token(engine_models, ten_prompts,
+                                                                  greedy_reference):
+    eng = _engine(engine_models, True)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(ten_prompts):
+        eng.add_request(str(i), prompt, sp)
+    deltas: dict[str, list[int]] = {}
+    text: dict[str, str] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert PENDING_TOKEN not in out.token_ids
+            deltas.setdefault(out.request_id, []).extend(out.delta_token_ids)
+            text[out.request_id] = text.get(out.request_id, "") + out.delta_text
+            if out.finished:
+                assert out.text == text[out.request_id]
+        eng.scheduler.check_invariants()
+    assert [deltas[str(i)] for i in range(len(ten_prompts))] == greedy_reference
+    assert eng.metrics.num_async_steps > 10
+
+
+def test_abort_and_arrival_while_a_step_is_in_flight(engine_models, mixed_prompts):
+    """Aborts and new requests between steps: the in-flight step is committed first, the aborted
+    request's slot in it is dropped, and everything else decodes as without overlap."""
+
+    def run(async_scheduling):
+        eng = _engine(engine_models, async_scheduling)
+        sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        for i in range(4):
+            eng.add_request(str(i), mixed_prompts[i][:20], sp)
+        outs, n = {}, 0
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    outs[out.request_id] = out
+            n += 1
+            if n == 12:
+                eng.abort_request("1")
+            if n == 15:
+                eng.add_request("late", mixed_prompts[5][:9], sp)
+            eng.scheduler.check_invariants()
+        return eng, outs
+
+    eng, got = run(True)
+    _, ref = run(False)
+    assert got["1"].finish_reason == ref["1"].finish_reason == "abort"
+    # the aborted request keeps what was committed: its in-flight token, if any, is dropped
+    aborted, full = got.pop("1").token_ids, ref.pop("1").token_ids
+    assert aborted == full[:len(aborted)] and len(full) - len(aborted) <= 1
+    assert _tokens(got) == _tokens(ref)
+    assert eng.metrics.num_async_steps > 5
+    assert eng.metrics.num_requests_aborted == 1
+
+
+def test_only_where_no_draft_can_run(engine_models, ten_prompts):
+    """A policy that may draft commits every step before the next (its plan needs the tokens);
+    a static policy with γ = 0 never drafts, so it overlaps like plain decoding."""
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    spec = _engine(engine_models, True, draft=True, policy_options=(("gamma", 3),))
+    run_to_completion(spec, ten_prompts[:3], sp)
+    assert spec.metrics.num_async_steps == 0
+    plain = _engine(engine_models, True, draft=True, policy_options=(("gamma", 0),))
+    run_to_completion(plain, ten_prompts[:3], sp)
+    assert plain.metrics.num_async_steps > 0
+    assert plain.metrics.policy_calls == 0  # γ = 0 by construction: nothing to plan
+
+
+def test_bad_option():
+    from jspec.config import EngineConfig
+
+    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+        EngineConfig(async_scheduling="yes")
+
