@@ -193,10 +193,10 @@ class LLMEngine:
         self.last_outcome: StepOutcome | None = None
         self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
         # Asynchronous scheduling (vLLM's name): a decode-only γ = 0 step runs while the host
-        # commits the one before it, whose sampled tokens feed it on device (``step``). Only
-        # where γ is 0 by construction: a policy that never drafts, or no draft at all.
-        self._never_drafts = draft is None or max(self.policy.possible_gammas()) == 0
+        # commits the one before it, whose sampled tokens feed it on device (``step``).
         self._inflight: StepState | None = None  # dispatched, not yet committed
+        # no draft, or a policy that only ever plans γ = 0: no plan to ask for
+        self._never_drafts = draft is None or max(self.policy.possible_gammas()) == 0
         self._step_listeners: list[Callable[[StepOutcome], None]] = []
         # several hosts (jspec/distributed.py): the leader's requests, aborts and policy
         # decisions, shared so that every process runs the same steps
@@ -381,8 +381,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, plan, draft, verify, commit; returns the outputs committed.
 
-        Asynchronous scheduling: a decode-only step that cannot draft (``_defers``) is left in
-        flight, and the next call dispatches its successor before committing it. The host's
+        Asynchronous scheduling: a decode-only step that drafts nothing (``_defers``) is left
+        in flight, and the next call dispatches its successor before committing it. The host's
         work for step N (read back the tokens, detokenize, check stops, build outputs, the
         record) then overlaps the device's step N + 1, whose input tokens are step N's, still
         on device. Meanwhile each sequence holds ``PENDING_TOKEN`` where its step-N token goes
@@ -400,7 +400,6 @@ class LLMEngine:
         if prev is not None:
             if self._continues(prev):
                 self._hold(prev)
-                self.metrics.num_async_steps += 1
             else:
                 outputs += self._complete(prev)
                 prev = None
@@ -415,6 +414,14 @@ class LLMEngine:
         clock.lap("schedule")
         st = self._plan(sched)
         clock.lap("plan")
+        if prev is not None and st.gamma:
+            # the policy drafts: catch-up and the draft read step N's tokens, so commit it first
+            outputs += self._complete(prev)
+            clock.skip()
+            prev = None
+            st = self._replan(st)
+            if st is None:  # every sequence ended at step N
+                return outputs
         if st.gamma:
             self._catch_up(st)
             clock.lap("catch_up")  # synced: its time is Nightjar's switching cost
@@ -429,6 +436,7 @@ class LLMEngine:
         st.logits, st.result = self._verify(st, prev)
         clock.lap("verify", st.logits)
         if prev is not None:  # step N + 1 is running: commit step N meanwhile
+            self.metrics.num_async_steps += 1
             outputs += self._complete(prev, successor=st)
             clock.skip()
         if st.result is None:
@@ -481,10 +489,45 @@ class LLMEngine:
     # ------------------------------------------------------------------ asynchronous scheduling
     def _async_ready(self) -> bool:
         """Whether the engine may leave a step in flight at all: a single process, no elastic
-        memory, no synced stage timing, and a policy that never drafts."""
-        return (self._never_drafts and self.config.async_scheduling and self.sync is None
-                and self.elastic is None and not self.time_stages
-                and not self.policy.timed_stages)
+        memory, no synced stage timing, and a policy that learns nothing from the host between
+        its draft and the verification (no ``select``, no stage times)."""
+        return (self.config.async_scheduling and self.sync is None and self.elastic is None
+                and not self.time_stages and not self.policy.timed_stages
+                and not self.policy.wants_select)
+
+    def _replan(self, st: StepState) -> StepState | None:
+        """``st`` was planned while the previous step was in flight and drafts after all, so
+        that step was committed first: drop the rows whose sequence ended there, and reserve
+        again the lookahead slots its commit gave back (truncation), on blocks that may differ,
+        hence a new page table. Only frees happened since the schedule, so the reservation
+        holds. None when no sequence is left."""
+        bm = self.block_manager
+        keep = [i for i, r in enumerate(st.rows) if r.seq.status is SequenceStatus.RUNNING]
+        for i in keep:
+            row = st.rows[i]
+            if not bm.allocate(row.seq.request_id, row.seq.num_tokens + row.lookahead):
+                raise RuntimeError(f"asynchronous scheduling: sequence {row.seq.request_id!r} "
+                                   f"lost its lookahead slots")
+        if not keep:
+            return None
+        if len(keep) < len(st.rows):  # all rows decode here: row i is decode row i
+            rows = [st.rows[i] for i in keep]
+            plan = st.plan
+            pick = lambda a: None if a is None else np.asarray(a)[keep]  # noqa: E731
+            kept = StepState(rows=rows, decode_idx=np.arange(len(rows)),
+                             num_rows=self._row_bucket(rows, np.arange(len(rows))),
+                             num_prefill_tokens=0, chain=st.chain)
+            kept.view = self._batch_view(kept)
+            kept.plan = dataclasses.replace(plan, gammas=pick(plan.gammas),
+                                            stop_confidence=pick(plan.stop_confidence),
+                                            stop_entropy=pick(plan.stop_entropy))
+            kept.gamma = gamma_bucket(self.gamma_buckets, max(r.gamma_planned for r in rows))
+            kept.sampling = ib.sampling_tensors(rows, kept.num_rows)
+            if not kept.gamma:
+                kept.chain = ()
+            st = kept
+        st.table = ib.page_tables(st.rows, st.num_rows, self.rc.max_pages, bm)
+        return st
 
     def _defers(self, st: StepState) -> bool:
         """Leave ``st`` in flight? Only a decode-only γ = 0 step without logprobs whose every

@@ -5,11 +5,15 @@ same finish reasons, same streamed deltas, the same KV accounting, stops and abo
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from conftest import make_engine, run_to_completion
 from jspec.sampling_params import SamplingParams
 from jspec.sequence import PENDING_TOKEN
+from policies.base import BatchView, DraftPlan, Policy
 
 
 def _engine(engine_models, async_scheduling: bool, draft=False, **kw):
@@ -111,13 +115,69 @@ def test_abort_and_arrival_while_a_step_is_in_flight(engine_models, mixed_prompt
     assert eng.metrics.num_requests_aborted == 1
 
 
-def test_only_where_no_draft_can_run(engine_models, ten_prompts):
-    """A policy that may draft commits every step before the next (its plan needs the tokens);
-    a static policy with γ = 0 never drafts, so it overlaps like plain decoding."""
+class _Phases(Policy):
+    """Plans γ = 0 for a few steps, then γ = 3, in turn: an adaptive policy's γ = 0 stretches
+    overlap, and the step after one that drafts again commits the in-flight step first."""
+
+    name = "phases"
+
+    def __init__(self, max_gamma: int, zeros: int, drafts: int):
+        super().__init__(max_gamma)
+        self.zeros, self.drafts, self.calls = zeros, drafts, 0
+        self.observed = 0
+
+    def plan(self, view: BatchView) -> DraftPlan:
+        phase = self.calls % (self.zeros + self.drafts)
+        self.calls += 1
+        gamma = 0 if phase < self.zeros else 3
+        return DraftPlan(gammas=np.full(view.num_decode, gamma, np.int32))
+
+    def observe(self, outcome) -> None:
+        self.observed += 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_adaptive_policy_overlaps_its_plain_steps(engine_models, mixed_prompts, temperature):
+    """Greedy: token for token the target's output. Sampled: the same as without overlap (the
+    policy's plans do not depend on what it observed, so both runs draft alike). Stops end
+    requests while a step on their tokens runs, also just before a step that drafts."""
+    target, draft, _ = engine_models
+    prompts = mixed_prompts[:8]  # all running at once: nothing waits to be admitted
+    # half the requests stop on any of 37 tokens, so some end on the γ = 0 step just before a
+    # step that drafts (that step then runs without them)
+    params = [dataclasses.replace(sp, max_tokens=40 + 4 * i,
+                                  stop_token_ids=list(range(3, 40)) if i % 2 else [])
+              for i, sp in enumerate(_params(len(prompts), temperature))]
+    results, engines = [], []
+    for async_scheduling in (False, True):
+        eng = make_engine(target, draft, policy=_Phases(7, zeros=2, drafts=1),
+                          async_scheduling=async_scheduling)
+        results.append(_tokens(run_to_completion(eng, prompts, params)))
+        engines.append(eng)
+    assert results[0] == results[1]
+    sync, overlapped = engines
+    assert sync.metrics.num_async_steps == 0 and overlapped.metrics.num_async_steps >= 5
+    assert overlapped.metrics.spec_decode_num_drafts > 0  # it did draft between the overlaps
+    # every step is observed once, whether its commit came in the same call or the next
+    assert overlapped.policy.observed == overlapped.metrics.policy_calls > 0
+    if temperature == 0.0:
+        plain = run_to_completion(make_engine(target, None), prompts, params)
+        assert results[1] == _tokens(plain)
+
+
+def test_never_where_the_policy_reads_the_host_mid_step(engine_models, ten_prompts):
+    """``select`` reads the draft on the host before the verification, and stage-timed
+    policies sync every stage: their steps never overlap."""
+
+    class _Select(_Phases):
+        def select(self, view, stats):
+            return None
+
+    target, draft, _ = engine_models
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    spec = _engine(engine_models, True, draft=True, policy_options=(("gamma", 3),))
-    run_to_completion(spec, ten_prompts[:3], sp)
-    assert spec.metrics.num_async_steps == 0
+    eng = make_engine(target, draft, policy=_Select(7, zeros=2, drafts=1))
+    run_to_completion(eng, ten_prompts[:3], sp)
+    assert eng.metrics.num_async_steps == 0
     plain = _engine(engine_models, True, draft=True, policy_options=(("gamma", 0),))
     run_to_completion(plain, ten_prompts[:3], sp)
     assert plain.metrics.num_async_steps > 0
