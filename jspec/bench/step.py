@@ -3,11 +3,11 @@
 For each batch size B and fixed draft length γ the engine decodes B sequences steadily (every
 sequence past its prompt) and the benchmark prints, per step:
 
-* ``step``: the engine's ``LLMEngine.step`` wall time, as it runs when serving: the median over
-  blocks of consecutive steps, each block timed until its device work is done (with
-  asynchronous scheduling a γ = 0 step returns while its successor runs);
+* ``step``: the engine's ``LLMEngine.step`` wall time (median), as it runs when serving (with
+  asynchronous scheduling a γ = 0 step returns while its successor runs, so a call waits for
+  the device work of the step before it);
 * ``fwd``: the bare target forward over the very ragged batch the engine verified (its compiled
-  executable replayed on the same inputs right after each block);
+  executable replayed on the same inputs right after the step);
 * ``draft``: the bare draft loop on the same inputs (0 at γ = 0);
 * ``step / (fwd + draft)``: the engine's own overhead as a ratio (1.00 = none);
 * the share of each stage (``policies.base.STAGES``) in a second pass whose device stages are
@@ -47,9 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     p.add_argument("--trace", metavar="DIR",
                    help="record the measured decode steps with jax.profiler into DIR")
-
-
-BLOCK = 5  # consecutive engine steps per timing
 
 
 def _median(fn, repeats: int = 9) -> float:
@@ -137,24 +134,24 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
         engine.step()
     for _ in range(3):  # settle: draft catch-up after prefill, first compilations
         engine.step()
-    # Steps run in blocks of BLOCK, each block timed to the end of its device work (with
-    # asynchronous scheduling a step returns while the next one runs) and followed at once by as
-    # many bare forwards and draft loops on the last step's inputs, so the medians see the same
-    # machine (a 2-core VM drifts by tens of percent in a minute).
+    # Each measured step follows an unmeasured one and is followed at once by one bare forward
+    # and one draft loop on its inputs, so the three medians see the same machine (a 2-core VM
+    # drifts by tens of percent in a minute). The unmeasured step refills the pipeline: with
+    # asynchronous scheduling a γ = 0 step returns while its successor runs, so the measured
+    # call waits for the device work of the one before, as it does in steady decoding.
     import jax
 
     times, replays = [], []
     if trace:
         jax.profiler.start_trace(trace)
-    for b in range(0, steps, BLOCK):
-        n = min(BLOCK, steps - b)
+    for _ in range(steps):
+        engine.step()
         t = time.perf_counter()
-        for _ in range(n):
-            engine.step()
-        jax.block_until_ready(engine.runner.target_kv)
-        times.append((time.perf_counter() - t) / n)
+        engine.step()
+        times.append(time.perf_counter() - t)
         if not trace:
-            replays += [_replay(engine, engine.last_step) for _ in range(n)]
+            jax.block_until_ready(engine.runner.target_kv)  # the step left in flight
+            replays.append(_replay(engine, engine.last_step))
     if trace:
         jax.profiler.stop_trace()
         # the trace holds the steps alone; the last step is replayed after it
@@ -225,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_shape(args.synthetic, args.target)
     max_seqs = max(args.batch_sizes)
-    need = args.context + args.steps * 2 * (max(args.gammas) + 1) + 16
+    need = args.context + args.steps * 3 * (max(args.gammas) + 1) + 16
     engines = {}
     print(f"jspec bench step: backend {jax.default_backend()}, jax {jax.__version__}, "
           f"models: {_describe(args)}", flush=True)
