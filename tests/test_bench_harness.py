@@ -610,6 +610,25 @@ def test_serving_warmup_requests(tiny_pair, tmp_path):
     assert main(["bench", "serving", "--warmup-requests", "-1"]) == 2
 
 
+def test_serving_async_scheduling_both(tiny_pair, tmp_path):
+    """--async-scheduling both: every policy runs with it, then on an engine without it; the
+    runs say which, and only the first overlaps steps."""
+    from jspec.bench import serving
+
+    out = tmp_path / "async.json"
+    args = tiny_serving_args(
+        tiny_pair, "--policy", "off", "--arrivals", "batch", "--num-requests", "3",
+        "--max-tokens", "12", "--async-scheduling", "both", "--out", str(out), "--no-progress")
+    assert serving.run(args) == 0
+    res = json.loads(out.read_text())
+    on, off = res["runs"]
+    assert (on["label"], off["label"]) == ("off", "off" + serving.NO_ASYNC_SUFFIX)
+    assert (on["engine_options"], off["engine_options"]) == ({}, {"async_scheduling": False})
+    assert on["metrics"]["num_async_steps"] > 0 and off["metrics"]["num_async_steps"] == 0
+    assert on["metrics"]["total_output_tokens"] == off["metrics"]["total_output_tokens"] == 36
+    assert res["config"]["async_scheduling"] is True
+
+
 def test_serving_rounds_palindrome_and_means(tiny_pair, tmp_path, capsys):
     """--rounds 2: the policies run A B, then B A; the comparison is on the means."""
     from jspec.bench import headline, serving

@@ -41,6 +41,11 @@ throughput and TTFT p50 (all, first turns, later turns). Every run's metrics cop
 prefix-cache counters (``prefix_cache_queries``, ``prefix_cache_hits`` in tokens,
 ``prefix_cache_hit_rate``; ``prefix_cache_blocks``, the blocks cached at the end).
 
+Asynchronous scheduling (``--async-scheduling on|off|both``): on (the engine's default) or off in
+every engine, or ``both``: each policy runs with it and then without it (labelled ``NAME -async``,
+engine option ``async_scheduling=False``). Every run's metrics count the steps that overlapped
+(``num_async_steps``).
+
 ``--warmup-requests N`` lets each adaptive policy (not off / static) serve the first N requests of
 the schedule, unmeasured, on the engine it is then measured on (policy state kept, engine counters
 reset, prefix cache emptied): a long-running server's state rather than a cold start. ``--synthetic
@@ -131,6 +136,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "default; off), or both: every policy runs twice, with caching "
                              f"and without, the latter labelled 'NAME{NO_CACHE_SUFFIX}', and "
                              "the table is followed by the with / without ratios "
+                             "(default: %(default)s)")
+
+    models.add_argument("--async-scheduling", choices=("on", "off", "both"), default="on",
+                        help="asynchronous scheduling in every engine (on, the engine's "
+                             "default: a γ = 0 step is committed while the next one runs; "
+                             f"off), or both: every policy runs twice, the second time "
+                             f"without it, labelled 'NAME{NO_ASYNC_SUFFIX}' "
                              "(default: %(default)s)")
 
     syn = p.add_argument_group("cost-realistic synthetic mode (jspec/synthetic.py)")
@@ -280,6 +292,7 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
 
 
 NO_CACHE_SUFFIX = " -prefix-cache"  # the label of a policy's run without prefix caching
+NO_ASYNC_SUFFIX = " -async"  # ... and of its run without asynchronous scheduling
 
 
 def with_variant_runs(policies: list[dict], suffix: str, engine: dict) -> list[dict]:
@@ -678,6 +691,7 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
         if seq_steps else 0.0
     metrics["num_engine_steps"] = em["num_steps"]
     metrics["num_preemptions"] = em["num_preemptions"]
+    metrics["num_async_steps"] = em["num_async_steps"]
     metrics["num_pool_expansions"] = em["num_pool_expansions"]
     metrics["num_pool_contractions"] = em["num_pool_contractions"]
     metrics["policy_time_per_step_s"] = em["policy_time_per_step"]
@@ -934,6 +948,8 @@ def run(args: argparse.Namespace) -> int:
         policies = with_elastic_runs(policies, args)
     if args.prefix_caching == "both":
         policies = with_prefix_cache_runs(policies)
+    if args.async_scheduling == "both":
+        policies = with_variant_runs(policies, NO_ASYNC_SUFFIX, {"async_scheduling": False})
     arrivals = build_arrivals(args)
     if args.workload == "code" and args.workload_file:
         raise ValueError("--workload code reads the held-out corpus split; --workload-file is "
@@ -961,6 +977,7 @@ def run(args: argparse.Namespace) -> int:
             engine_kwargs[name] = getattr(args, name)
     # (--prefix-caching both: the runs without it override this in their "engine" options)
     engine_kwargs["enable_prefix_caching"] = args.prefix_caching != "off"
+    engine_kwargs["async_scheduling"] = args.async_scheduling != "off"  # (likewise)
     if multiturn and arrivals.context_tokens is not None:
         print("note: --workload multiturn takes only the trace's times (conversation starts), "
               "not its token counts", file=sys.stderr)
