@@ -513,7 +513,10 @@ class LLMEngine:
         if len(keep) < len(st.rows):  # all rows decode here: row i is decode row i
             rows = [st.rows[i] for i in keep]
             plan = st.plan
-            pick = lambda a: None if a is None else np.asarray(a)[keep]  # noqa: E731
+
+            def pick(per_row):
+                return None if per_row is None else np.asarray(per_row)[keep]
+
             kept = StepState(rows=rows, decode_idx=np.arange(len(rows)),
                              num_rows=self._row_bucket(rows, np.arange(len(rows))),
                              num_prefill_tokens=0, chain=st.chain)
