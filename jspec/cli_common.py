@@ -78,9 +78,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
                              "caching; default: on)")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None,
-                        help="commit each plain-decoding step while the next one runs (vLLM's "
-                             "name; only where no draft can run: no draft, or policy off / "
-                             "static gamma=0; default: on)")
+                        help="commit each decoding step in which nothing drafts while the "
+                             "next one runs on its tokens (vLLM's name; default: on)")
     engine.add_argument("--kernel-backend", choices=["auto", "pallas", "interpret", "reference"],
                         default=None,
                         help="attention / KV-migration kernels: auto = Pallas on a GPU where they "

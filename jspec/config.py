@@ -59,9 +59,9 @@ class EngineConfig:
     # whose prompt starts with them reuses them instead of prefilling them again (target and
     # draft pools alike); evicted least recently used, only when blocks are needed
     enable_prefix_caching: bool = True
-    # asynchronous scheduling (vLLM's name; LLMEngine.step): where γ is 0 by construction (no
-    # draft, or a policy that never drafts) the host commits each decoding step while the next
-    # one runs on device; False commits every step before the next is dispatched
+    # asynchronous scheduling (vLLM's name; LLMEngine.step): the host commits each decode-only
+    # step in which nothing drafts while the next one runs on device; False commits every step
+    # before the next is dispatched
     async_scheduling: bool = True
 
     def __post_init__(self):
