@@ -501,11 +501,11 @@ class LLMEngine:
         again the lookahead slots its commit gave back (truncation), on blocks that may differ,
         hence a new page table. Only frees happened since the schedule, so the reservation
         holds. None when no sequence is left."""
-        bm = self.block_manager
         keep = [i for i, r in enumerate(st.rows) if r.seq.status is SequenceStatus.RUNNING]
         for i in keep:
             row = st.rows[i]
-            if not bm.allocate(row.seq.request_id, row.seq.num_tokens + row.lookahead):
+            if not self.block_manager.allocate(row.seq.request_id,
+                                               row.seq.num_tokens + row.lookahead):
                 raise RuntimeError(f"asynchronous scheduling: sequence {row.seq.request_id!r} "
                                    f"lost its lookahead slots")
         if not keep:
@@ -517,19 +517,18 @@ class LLMEngine:
             def pick(per_row):
                 return None if per_row is None else np.asarray(per_row)[keep]
 
-            kept = StepState(rows=rows, decode_idx=np.arange(len(rows)),
-                             num_rows=self._row_bucket(rows, np.arange(len(rows))),
+            decode_idx = np.arange(len(rows))
+            kept = StepState(rows=rows, decode_idx=decode_idx,
+                             num_rows=self._row_bucket(rows, decode_idx),
                              num_prefill_tokens=0, chain=st.chain)
             kept.view = self._batch_view(kept)
             kept.plan = dataclasses.replace(plan, gammas=pick(plan.gammas),
                                             stop_confidence=pick(plan.stop_confidence),
                                             stop_entropy=pick(plan.stop_entropy))
-            kept.gamma = gamma_bucket(self.gamma_buckets, max(r.gamma_planned for r in rows))
-            kept.sampling = ib.sampling_tensors(rows, kept.num_rows)
-            if not kept.gamma:
-                kept.chain = ()
             st = kept
-        st.table = ib.page_tables(st.rows, st.num_rows, self.rc.max_pages, bm)
+        self._device_inputs(st)
+        if not st.gamma:  # the rows that drafted ended
+            st.chain = ()
         return st
 
     def _defers(self, st: StepState) -> bool:
@@ -657,11 +656,16 @@ class LLMEngine:
             self.metrics.policy_calls += 1
             self._apply_plan(st)
             self._reclaim(sched, st)
+        self._device_inputs(st)
+        return st
+
+    def _device_inputs(self, st: StepState) -> None:
+        """The γ bucket, page table and sampling tensors of the planned rows: what every device
+        call of the step shares."""
         st.gamma = gamma_bucket(self.gamma_buckets,
                                 max((r.gamma_planned for r in st.decode_rows), default=0))
-        st.table = ib.page_tables(rows, st.num_rows, self.rc.max_pages, self.block_manager)
-        st.sampling = ib.sampling_tensors(rows, st.num_rows)
-        return st
+        st.table = ib.page_tables(st.rows, st.num_rows, self.rc.max_pages, self.block_manager)
+        st.sampling = ib.sampling_tensors(st.rows, st.num_rows)
 
     def _row_bucket(self, rows, decode_idx) -> int:
         """The row bucket a step pads to; steps that carry prefill run at the widest one
