@@ -16,7 +16,7 @@ ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size",
                         "min_token_bucket", "kernel_backend", "elastic_memory",
                         "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout",
                         "tensor_parallel_size", "max_logprobs", "enable_prefix_caching",
-                        "async_scheduling")
+                        "async_scheduling", "deterministic")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +80,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs_help: str
                         default=None,
                         help="commit each decoding step in which nothing drafts while the "
                              "next one runs on its tokens (vLLM's name; default: on)")
+    engine.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                        help="batch-invariant numerics: a token's logits do not depend on its "
+                             "batch, so greedy speculative output equals plain greedy output "
+                             "in bfloat16 too (default: on)")
     engine.add_argument("--kernel-backend", choices=["auto", "pallas", "interpret", "reference"],
                         default=None,
                         help="attention / KV-migration kernels: auto = Pallas on a GPU where they "

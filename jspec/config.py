@@ -63,6 +63,11 @@ class EngineConfig:
     # step in which nothing drafts while the next one runs on device; False commits every step
     # before the next is dispatched
     async_scheduling: bool = True
+    # batch-invariant target numerics (pallas_kernels/batch_invariance.py): a token's logits do
+    # not depend on which sequences share its step, how many tokens are verified with it or how
+    # its prompt was chunked, so greedy speculative output equals plain greedy output in bf16
+    # too (vLLM's VLLM_BATCH_INVARIANT, SGLang's deterministic inference)
+    deterministic: bool = True
 
     def __post_init__(self):
         def positive(name):
@@ -91,7 +96,7 @@ class EngineConfig:
         if tp > 1 and self.elastic_memory:
             raise ValueError("elastic_memory does not support tensor_parallel_size > 1 yet: "
                              "its pool migration runs on one device")
-        for name in ("elastic_memory", "async_scheduling"):
+        for name in ("elastic_memory", "async_scheduling", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         w = self.elastic_low_watermark

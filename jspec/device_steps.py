@@ -142,9 +142,11 @@ def verify_forward(
     cfg: ModelConfig,
     attention_fn,
     mesh=None,
+    batch_invariant: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """One target pass over the ragged batch; returns logits [S*(G+1), V]. ``mesh``: the
-    tensor-parallel mesh the params and pool are sharded over (models.transformer.forward).
+    tensor-parallel mesh the params and pool are sharded over; ``batch_invariant``: logits
+    independent of the batch (both models.transformer.forward's).
 
     The host built ``batch`` before the draft ran, with placeholders where drafted tokens go;
     ``draft_slots [S, G]`` says which flat token each drafted token fills (out-of-range = not
@@ -155,7 +157,8 @@ def verify_forward(
     input_ids = batch.input_ids.at[draft_slots.reshape(-1)].set(
         draft_tokens.reshape(-1), mode="drop")
     batch = ModelInput(input_ids, batch.attn, batch.logits_indices)
-    return forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh)
+    return forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh,
+                   batch_invariant=batch_invariant)
 
 
 def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: SamplingTensors,
@@ -163,8 +166,8 @@ def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: Sampling
                       draft_slots: jax.Array | None = None,
                       draft_logits: jax.Array | None = None,
                       num_drafted: jax.Array | None = None, *, cfg: ModelConfig, attention_fn,
-                      mesh=None, carried: jax.Array | None = None,
-                      carry_rows: jax.Array | None = None):
+                      mesh=None, batch_invariant: bool = False,
+                      carried: jax.Array | None = None, carry_rows: jax.Array | None = None):
     """A decode-only step's verification in one call: the target forward, then rejection
     sampling of the drafts or, without drafts (γ = 0: no draft arguments at all), plain
     sampling. Returns (VerifyResult, logits, kv); the logits stay on device for the policy's
@@ -179,10 +182,12 @@ def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: Sampling
         row_ids = jnp.where(carry_rows >= 0, carried[jnp.maximum(carry_rows, 0), 0],
                             batch.input_ids)
         batch = ModelInput(row_ids, batch.attn, batch.logits_indices)
-        logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh)
+        logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh,
+                             batch_invariant=batch_invariant)
         return sample_tokens(logits, st), logits, kv
     logits, kv = verify_forward(params, kv, batch, draft_tokens, draft_slots, cfg=cfg,
-                                attention_fn=attention_fn, mesh=mesh)
+                                attention_fn=attention_fn, mesh=mesh,
+                                batch_invariant=batch_invariant)
     return rejection_sample(logits, draft_logits, draft_tokens, num_drafted, st), logits, kv
 
 

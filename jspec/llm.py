@@ -198,7 +198,7 @@ class LLM:
 
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
-    ``enable_prefix_caching``, ``async_scheduling``, ``dtype``, ``seed``, ``policy_options``, ``warmup``,
+    ``enable_prefix_caching``, ``async_scheduling``, ``deterministic``, ``dtype``, ``seed``, ``policy_options``, ``warmup``,
     ``tensor_parallel_size``) are those of ``EngineConfig``.
     """
 

@@ -155,6 +155,10 @@ class ModelRunner:
         self.chains = frozenset(c for c in chains if c) if self.pool else frozenset()
         self.kernel_backend = kernel_backend.resolve(rc.engine.kernel_backend)
         self._attn = kernel_backend.attention_fn(self.kernel_backend)
+        # the target's forwards in batch-invariant numerics (EngineConfig.deterministic): what
+        # greedy equality with plain decoding needs; the drafts only propose, so they keep the
+        # cheaper batch-dependent arithmetic
+        self.batch_invariant = rc.engine.deterministic
         # Elastic memory's extension (jspec/elastic.py): "segments" adds it to the target's
         # pool as a second array while the draft is offloaded (expand_target_pool) and drops it
         # at contraction; "preallocated" sizes the one array for base + extension from the
@@ -249,7 +253,7 @@ class ModelRunner:
                                              self.rc.num_extension_blocks,
                                              self.extension_layout,
                                              self.rc.engine.block_size, self.rc.max_pages,
-                                             self.kernel_backend)
+                                             self.kernel_backend, self.batch_invariant)
         mesh = () if self.mesh is None else tuple(d.id for d in self.mesh.devices.flat)
         full_key = (key, model_key, geometry, mesh)
         # One compilation at a time, process-wide: building executables on several threads at
@@ -314,14 +318,17 @@ class ModelRunner:
         one = seg(self._one_array_blocks)
         return KVCache(one, one)
 
-    def _attention(self, max_q_len: int | None):
+    def _attention(self, max_q_len: int | None, target: bool = False):
         """The attention function, told (statically) that no sequence brings more than
         ``max_q_len`` new tokens when that is known: a decode-only verification then attends in
         one query tile per sequence instead of the ragged bound's 2-2.5 times as many, each of
-        which gathers its sequence's whole context (``_tile_plan``)."""
-        if max_q_len is None:
-            return self._attn
-        return functools.partial(self._attn, max_q_len=max_q_len)
+        which gathers its sequence's whole context (``_tile_plan``). The target's is
+        batch-invariant when ``batch_invariant`` is set (the Pallas kernel always is: its query
+        tile is fixed per model, so its dots' shapes never depend on the batch)."""
+        kwargs = {} if max_q_len is None else {"max_q_len": max_q_len}
+        if target and self.batch_invariant and self.kernel_backend == "reference":
+            kwargs["batch_invariant"] = True
+        return functools.partial(self._attn, **kwargs) if kwargs else self._attn
 
     def verify_executable(self, num_tokens: int, num_seqs: int, gamma: int,
                           segmented: bool = False, decode_only: bool = False):
@@ -330,18 +337,16 @@ class ModelRunner:
         ``segmented``: over the pool with its extension segment (γ = 0 only). ``decode_only``:
         every sequence brings at most γ + 1 tokens (the forward inside
         ``verify_accept_executable``, which the step benchmark replays alone)."""
-        attn = self._attention(gamma + 1 if decode_only else None)
+        attn = self._attention(gamma + 1 if decode_only else None, target=True)
 
         def build():
             specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1))]
+            fn = device_steps.verify_forward if gamma else forward
+            fn = functools.partial(fn, cfg=self.target.cfg, attention_fn=attn, mesh=self.mesh,
+                                   batch_invariant=self.batch_invariant)
             if gamma:
-                fn = functools.partial(device_steps.verify_forward, cfg=self.target.cfg,
-                                       attention_fn=attn, mesh=self.mesh)
                 specs += [self._sds((num_seqs, gamma), jnp.int32)] * 2
-            else:
-                fn = functools.partial(forward, cfg=self.target.cfg, attention_fn=attn,
-                                       mesh=self.mesh)
             return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("verify", num_tokens, num_seqs, gamma, segmented, decode_only),
@@ -354,7 +359,8 @@ class ModelRunner:
         def build():
             vocab = self.target.cfg.vocab_size
             fn = functools.partial(device_steps.verify_and_accept, cfg=self.target.cfg,
-                                   attention_fn=self._attention(gamma + 1), mesh=self.mesh)
+                                   attention_fn=self._attention(gamma + 1, target=True),
+                                   mesh=self.mesh, batch_invariant=self.batch_invariant)
             specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs)]

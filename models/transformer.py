@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from models import sharding
 from models.config import ModelConfig
 from pallas_kernels import segments
+from pallas_kernels.batch_invariance import pad_rows
 from pallas_kernels.pytree import array_dataclass
 from pallas_kernels.ragged_paged_attention import (
     AttentionMetadata,
@@ -173,8 +174,13 @@ def forward(
     attention_fn: AttentionFn = ragged_paged_attention_tiled,
     return_hidden: bool = False,
     mesh: Mesh | None = None,
+    batch_invariant: bool = False,
 ):
     """Returns (logits [R, vocab] float32, updated kv). Pure; jit with ``kv`` donated.
+
+    ``batch_invariant``: a token's logits do not depend on the rest of the batch (every dot
+    runs over at least ``MIN_DOT_ROWS`` rows: ``pallas_kernels.batch_invariance``); pass an
+    attention function made batch-invariant too.
 
     With ``return_hidden`` the final-norm hidden states at the logits rows are returned too
     (training and distillation use them). With a ``mesh`` the params and the pool are sharded
@@ -184,11 +190,11 @@ def forward(
     """
     if mesh is None:
         return _forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn,
-                        return_hidden=return_hidden)
+                        return_hidden=return_hidden, batch_invariant=batch_invariant)
     tp = mesh.size
     body = functools.partial(_forward, cfg=sharding.local_config(cfg, tp),
                              attention_fn=attention_fn, return_hidden=return_hidden,
-                             axis=sharding.AXIS)
+                             axis=sharding.AXIS, batch_invariant=batch_invariant)
     kv_specs = KVCache(sharding.KV_SPEC, sharding.KV_SPEC)
     rep = sharding.REPLICATED
     out_specs = (rep, kv_specs, rep) if return_hidden else (rep, kv_specs)
@@ -213,9 +219,17 @@ def _embed(params: dict, ids: jax.Array, axis: str | None) -> jax.Array:
 
 
 def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
-             attention_fn: AttentionFn, return_hidden: bool, axis: str | None = None):
+             attention_fn: AttentionFn, return_hidden: bool, axis: str | None = None,
+             batch_invariant: bool = False):
     """``forward`` on one device; under ``shard_map`` (``axis`` named) on this device's share:
     ``cfg`` is then models.sharding.local_config's, the params and pool are local slices."""
+    num_rows = batch.logits_indices.shape[0]
+    if batch_invariant:  # padding tokens sit past cu_q_lens[-1]: they write to the null block
+        md = batch.attn
+        batch = ModelInput(pad_rows(batch.input_ids),
+                           AttentionMetadata(pad_rows(md.positions), md.cu_q_lens, md.kv_lens,
+                                             md.page_table),
+                           pad_rows(batch.logits_indices))
     md = batch.attn
     num_tokens = batch.input_ids.shape[0]
     block_size = kv.block_size
@@ -251,6 +265,7 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, kv.k, kv.v), (params["layers"], layer_ids))
     logits, hidden = lm_head(params, x[batch.logits_indices], cfg)
+    logits, hidden = logits[:num_rows], hidden[:num_rows]
     if vocab_split:
         logits = jax.lax.all_gather(logits, axis, axis=1, tiled=True)
     new_kv = KVCache(k_pool, v_pool)

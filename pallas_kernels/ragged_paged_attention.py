@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import segments as seg
+from pallas_kernels.batch_invariance import min_q_block
 from pallas_kernels.pytree import array_dataclass
 
 _MASKED = -1e30  # finite, so fully masked chunks never produce inf - inf
@@ -191,6 +192,7 @@ def ragged_paged_attention_tiled(
     q_block: int | None = None,
     chunk_pages: int | None = None,
     max_q_len: int | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:
     """Pure-jnp attention that reads each sequence's pages once per query tile, not per token.
 
@@ -207,18 +209,23 @@ def ragged_paged_attention_tiled(
     ``max_q_len``: a static bound on every sequence's new tokens, which the caller guarantees
     (a decode-only verification: γ + 1). The tile is then that long and there is one tile per
     sequence, where the general bound would gather the context of up to ``T / q_block`` more.
+    ``batch_invariant``: every token attends with the same arithmetic whatever its batch
+    (``pallas_kernels.batch_invariance``): tiles of at least ``MIN_DOT_ROWS`` rows, and never
+    the per-token path, which computes in float32.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_pages = md.page_table.shape
-    if q_block is None:
-        q_block = max_q_len or reference_q_block(num_tokens, num_seqs)
-    if q_block <= 1:
-        return ragged_paged_attention_reference(q, k_pool, v_pool, layer, md, sm_scale=sm_scale,
-                                                sliding_window=sliding_window,
-                                                chunk_pages=chunk_pages)
     pool = seg.segments(k_pool)[0]
     block_size, kv_heads = pool.shape[2:4]
     group = num_heads // kv_heads
+    if q_block is None:
+        q_block = max_q_len or reference_q_block(num_tokens, num_seqs)
+    if batch_invariant:
+        q_block = max(q_block, min_q_block(group))
+    elif q_block <= 1:
+        return ragged_paged_attention_reference(q, k_pool, v_pool, layer, md, sm_scale=sm_scale,
+                                                sliding_window=sliding_window,
+                                                chunk_pages=chunk_pages)
     # 128-token chunks: a tile's scores then stay small enough for the cache (B = 32, γ = 4
     # verify forward 15% faster on CPU than with 256, prefill chunks 3-9%; 64 was slower)
     page_table, chunk_pages, chunk = _page_chunks(md.page_table, block_size, chunk_pages, 128)

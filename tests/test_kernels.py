@@ -190,6 +190,32 @@ def test_tiled_attention_matches_per_token_reference(name):
     check()
 
 
+@pytest.mark.parametrize("name", ["gqa2-d64-bs16-bf16", "gqa8-d128-bs16-bf16"])
+def test_batch_invariant_tiled_attention(name):
+    """With ``batch_invariant`` a sequence's attention output in bf16 is bit-identical whether
+    its tokens come alone (a 1-token decode) or as a verification window beside other
+    sequences' decode and prefill rows, and it stays within bf16's tolerance of the oracle.
+    (float32 dots on XLA:CPU change their summation order with the row count at several
+    thresholds, so float32 is not bit-invariant: pallas_kernels/batch_invariance.py.)"""
+    kvh, group, head_dim, block_size, pages, dtype, window = CASES[name]
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, batch_invariant=True)
+    _, ref = _fns(name)
+    # sequence 1 has a 40-token context; its last 5 tokens are the rows compared
+    q, k, v, md, live = _make_inputs(name, [1, 5, 37], [40, 40, 49], seed=11)
+    layer = jnp.asarray(0, jnp.int32)
+    batched = np.asarray(ragged_paged_attention_tiled(q, k, v, layer, md, **kw))
+    np.testing.assert_allclose(batched[:live].astype(np.float32),
+                               np.asarray(ref(q, k, v, layer, md))[:live].astype(np.float32),
+                               atol=TOL[dtype], rtol=0)
+    rows = batched[1:6]
+    for j in range(5):  # each of those tokens decoded alone: one token, one sequence
+        md1 = AttentionMetadata(md.positions[1 + j:2 + j], jnp.asarray([0, 1], jnp.int32),
+                                md.positions[1 + j:2 + j] + 1, md.page_table[1:2])
+        alone = ragged_paged_attention_tiled(q[1 + j:2 + j], k, v, layer, md1, max_q_len=1,
+                                             **kw)
+        np.testing.assert_array_equal(np.asarray(alone)[0], rows[j], err_msg=f"token {j}")
+
+
 def test_reference_q_block():
     assert reference_q_block(32, 32) == 1  # plain decoding: per-token gathers are per-sequence
     assert reference_q_block(256, 32) == 8

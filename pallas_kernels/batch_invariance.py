@@ -1,0 +1,50 @@
+"""Batch-invariant numerics: a token's logits that do not depend on the batch it ran in.
+
+Greedy speculative decoding is lossless only if the target scores a token the same way whether
+it is decoded alone, verified with γ drafted tokens, in a batch of 32 sequences or inside a
+prefill chunk. In exact arithmetic it is; in floating point each dot product's rounding depends
+on the order its terms are added, and a matmul library picks that order from the *shape* of the
+call. In bfloat16 a one-ulp difference in one activation is enough to flip a near-tie in the
+final argmax, after which the two outputs diverge for good.
+
+What orders the sums on XLA:CPU (measured with ``tests/test_batch_invariance.py``'s probe on
+bf16 dots with float32 accumulation, every weight shape of the built-in pair and of 1.5B-7B
+models, 1-1024 rows): a row of ``x @ w`` comes out the same for every row count from three up,
+in any position of the batch, but a one-row and a two-row call each use an order of their own
+(matrix-vector and narrow-panel paths). The same holds for attention's batched dots, whatever
+the batch dimensions. Elementwise work and per-row reductions (RMSNorm, softmax) do not depend
+on the other rows.
+
+So a batch-invariant forward never runs a dot over fewer than ``MIN_DOT_ROWS`` rows: it pads
+the flat tokens and the logits rows up to it (padding tokens write to the null block and are
+never read), and attention always takes the tiled path with query tiles of at least that many
+(token, head) rows, so decode, verification and prefill attend with the same arithmetic. The
+floor is 4, one above the measured threshold. Attention's reduction over the context already
+has a fixed order: 128-token chunks at absolute positions, and chunks past a query's context
+are exact no-ops of the online softmax.
+
+This is the mode vLLM calls batch invariance (``VLLM_BATCH_INVARIANT``) and SGLang
+deterministic inference; they fix GPU kernels' tile sizes and split counts for the same reason.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MIN_DOT_ROWS = 4
+
+
+def pad_rows(x: jax.Array, min_rows: int = MIN_DOT_ROWS) -> jax.Array:
+    """``x`` with its leading axis zero-padded to at least ``min_rows`` (static shapes)."""
+    short = min_rows - x.shape[0]
+    if short <= 0:
+        return x
+    return jnp.pad(x, [(0, short)] + [(0, 0)] * (x.ndim - 1))
+
+
+def min_q_block(group: int, min_rows: int = MIN_DOT_ROWS) -> int:
+    """The smallest power-of-two query tile whose (token, head) rows reach ``min_rows`` for
+    ``group`` query heads per KV head."""
+    tokens = -(-min_rows // max(1, group))
+    return 1 << (tokens - 1).bit_length()

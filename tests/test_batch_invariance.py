@@ -1,0 +1,128 @@
+"""Batch-invariant numerics (EngineConfig.deterministic, pallas_kernels/batch_invariance.py).
+
+In bfloat16 a token's logits must not depend on the batch it runs in, so greedy speculative
+output equals plain greedy output token for token with every policy, decoded alone or batched,
+with the prompt prefilled in chunks or whole. (The fp32 lossless tests are in
+test_engine_lossless.py; bf16 is the serving dtype on CPU and the one whose rounding amplifies
+every difference in summation order.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ENGINE_KW, make_engine, run_to_completion
+from jspec.runner import LoadedModel
+from jspec.sampling_params import SamplingParams
+from pallas_kernels.batch_invariance import MIN_DOT_ROWS, min_q_block, pad_rows
+from policies import make_policy
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+BF16 = dict(dtype="bfloat16")
+
+
+def test_pad_rows_and_min_q_block():
+    x = jnp.arange(6.0).reshape(2, 3)
+    padded = pad_rows(x)
+    assert padded.shape == (MIN_DOT_ROWS, 3)
+    np.testing.assert_array_equal(padded[:2], x)
+    assert not np.asarray(padded[2:]).any()
+    assert pad_rows(jnp.zeros((9, 3))).shape == (9, 3)
+    # tiles reach MIN_DOT_ROWS (token, head) rows, in powers of two
+    assert [min_q_block(g) for g in (1, 2, 3, 4, 7, 8)] == [4, 2, 2, 1, 1, 1]
+
+
+@pytest.mark.parametrize("shape", [(64, 192), (192, 64), (896, 4864), (4864, 896)])
+def test_xla_dot_rows_do_not_depend_on_the_row_count(shape):
+    """What the mode rests on: on this backend a row of a bf16 dot (float32 accumulation)
+    comes out bit-identical for every row count from MIN_DOT_ROWS up, in any position. If a
+    machine breaks this, the deterministic mode's guarantee does not hold there."""
+    rng = np.random.default_rng(0)
+    k, n = shape
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((256, k)), jnp.bfloat16)
+    dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    row = np.asarray(dot(x[:MIN_DOT_ROWS], w))[0]
+    for rows in (MIN_DOT_ROWS + 1, 8, 17, 64, 256):
+        np.testing.assert_array_equal(np.asarray(dot(x[:rows], w))[0], row, err_msg=f"{rows}")
+    moved = x[:16].at[11].set(x[0])  # the same row in another position of the batch
+    np.testing.assert_array_equal(np.asarray(dot(moved, w))[11], row)
+
+
+# ----------------------------------------------------------------------------- engine level
+@pytest.fixture(scope="module")
+def bf16_models(engine_models):
+    """The fp32 engine models cast to bfloat16 (the pools follow the params' dtype)."""
+    def cast(m):
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.bfloat16), m.params)
+        return LoadedModel(m.cfg, params, m.name)
+
+    return tuple(cast(m) for m in engine_models)
+
+
+@pytest.fixture(scope="module")
+def prompts(mixed_prompts):
+    """Eight prompts of 1-100 tokens: the long ones are prefilled in chunks."""
+    return mixed_prompts[:8]
+
+
+@pytest.fixture(scope="module")
+def plain_alone(bf16_models, prompts):
+    """Target-only greedy decoding of each prompt on its own (B = 1): the reference."""
+    target = bf16_models[0]
+    engine = make_engine(target, None, **BF16)
+    return [run_to_completion(engine, [p], GREEDY)["0"].token_ids for p in prompts]
+
+
+def _batched(engine, prompts):
+    outs = run_to_completion(engine, prompts, GREEDY)
+    return [outs[str(i)].token_ids for i in range(len(prompts))]
+
+
+def _assert_same(outputs, reference, what):
+    for i, (out, ref) in enumerate(zip(outputs, reference)):
+        assert out == ref, f"{what}: prompt {i} diverged at token " \
+            f"{next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)}"
+
+
+def test_plain_batched_equals_plain_alone(bf16_models, prompts, plain_alone):
+    _assert_same(_batched(make_engine(bf16_models[0], None, **BF16), prompts), plain_alone,
+                 "plain decoding in a batch of 8")
+
+
+def test_unchunked_prefill_equals_chunked(bf16_models, prompts, plain_alone):
+    """Whole prompts (no chunked prefill, a 128-token budget) against the 64-token chunks of the
+    reference's engine."""
+    engine = make_engine(bf16_models[0], None, enable_chunked_prefill=False,
+                         max_num_batched_tokens=128, **BF16)
+    _assert_same(_batched(engine, prompts), plain_alone, "unchunked prefill")
+
+
+@pytest.mark.parametrize("policy, options", [
+    ("static", (("gamma", 1),)),
+    ("static", (("gamma", 3),)),
+    ("static", (("gamma", 7),)),
+    ("nightjar", ()),
+    ("dsde", ()),
+    ("adaspec", ()),
+    ("auto", ()),
+])
+def test_speculative_equals_plain_in_bf16(bf16_models, prompts, plain_alone, policy, options):
+    """Every draft length, fixed or chosen per step / per sequence, verified with its drafted
+    tokens beside other sequences' prefill chunks and decode rows: the plain tokens."""
+    target, draft, _ = bf16_models
+    engine = make_engine(target, draft, make_policy(policy, ENGINE_KW["num_speculative_tokens"],
+                                                    **dict(options)), **BF16)
+    _assert_same(_batched(engine, prompts), plain_alone, f"{policy} {dict(options)} batched")
+    assert engine.metrics.spec_decode_num_accepted_tokens > 0  # it really speculated
+
+
+def test_speculative_alone_equals_plain_alone(bf16_models, prompts, plain_alone):
+    target, draft, _ = bf16_models
+    engine = make_engine(target, draft, policy_options=(("gamma", 4),), **BF16)
+    outs = [run_to_completion(engine, [p], GREEDY)["0"].token_ids for p in prompts]
+    _assert_same(outs, plain_alone, "static γ=4 alone")
