@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split the target over N devices as the engine does "
                              "(models/sharding.py; the draft is replicated) and report the "
                              "bytes each device holds (on CPU: N host devices)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also time the target in batch-invariant numerics (the engine's "
+                             "deterministic mode) at every point, right after the default "
+                             "numerics, and print the ratio: what the mode costs")
     parser.add_argument("--small", action="store_true",
                         help="tiny shapes and grid: a quick smoke run of the same code path")
 
@@ -120,15 +124,17 @@ class ForwardTimer:
     by this benchmark, `jspec bench pair` and `jspec profile`."""
 
     def __init__(self, cfg, params, kv_dtype, block_size: int, repeats: int, mesh=None,
-                 shard: bool = True):
+                 shard: bool = True, batch_invariant: bool = False):
         """``mesh``: a tensor-parallel mesh (models.sharding.make_mesh); the model is split over
-        it (``shard``, the target's case) or replicated on it (a draft's)."""
+        it (``shard``, the target's case) or replicated on it (a draft's). ``batch_invariant``:
+        the engine's deterministic numerics (with the jnp attention)."""
         import functools
 
         import jax
 
         from models import sharding
         from models.transformer import forward
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tiled
 
         if mesh is not None:
             params = (sharding.shard_params(params, cfg, mesh) if shard
@@ -137,8 +143,12 @@ class ForwardTimer:
         self.block_size, self.repeats = block_size, repeats
         self.mesh = mesh
         self.kv_spec = sharding.KV_SPEC if shard else sharding.REPLICATED
+        extra = {}
+        if batch_invariant:
+            extra = {"batch_invariant": True, "attention_fn": functools.partial(
+                ragged_paged_attention_tiled, batch_invariant=True)}
         self.step = jax.jit(functools.partial(forward, cfg=cfg,
-                                              mesh=mesh if shard else None),
+                                              mesh=mesh if shard else None, **extra),
                             donate_argnames=("kv",))
         self.kv_bytes_per_device = 0
 
@@ -172,10 +182,22 @@ def time_grid(cfg, params, dtype, args, mesh=None, shard: bool = True):
             for b in args.batch_sizes for q in args.query_lens}, timer
 
 
-def _format_table(results, args) -> list[str]:
+def time_invariance_cost(cfg, params, dtype, args, mesh=None) -> dict:
+    """(batch-invariant / default) forward time for every (B, q), each pair timed back to
+    back so the machine's drift cancels."""
+    plain = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats, mesh)
+    invariant = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats, mesh,
+                             batch_invariant=True)
+    return {(b, q): invariant(b, q, args.context) / plain(b, q, args.context)
+            for b in args.batch_sizes for q in args.query_lens}
+
+
+def _format_table(results, args, unit: str = "ms") -> list[str]:
+    """A (B, q) grid of seconds (shown in ms) or of ratios (``unit`` "x")."""
+    scale = 1e3 if unit == "ms" else 1.0
     lines = ["  B \\ q " + "".join(f"{q:>11d}" for q in args.query_lens)]
     for b in args.batch_sizes:
-        lines.append(f"  {b:>6d}" + "".join(f"{results[b, q] * 1e3:>11.2f}"
+        lines.append(f"  {b:>6d}" + "".join(f"{results[b, q] * scale:>11.2f}"
                                            for q in args.query_lens))
     return lines
 
@@ -267,6 +289,12 @@ def measure(args: argparse.Namespace) -> dict:
             for line in _format_table(results, args):
                 print(line)
             _print_observations(results, args, weight_bytes, bandwidth)
+            if args.batch_invariant and model == "target":
+                ratios = time_invariance_cost(cfg, random_params(cfg, dtype), dtype, args, mesh)
+                run["batch_invariant_ratio"] = ratios
+                print("  batch-invariant numerics: time / default time")
+                for line in _format_table(ratios, args, "x"):
+                    print(line)
     _print_draft_ratios(measured, args)
     # A shared VM's bandwidth drifts with its neighbours: measure again and show both.
     bandwidth_end = measure_bandwidth(args.bandwidth_mib << 20, args.repeats)

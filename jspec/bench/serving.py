@@ -41,6 +41,10 @@ throughput and TTFT p50 (all, first turns, later turns). Every run's metrics cop
 prefix-cache counters (``prefix_cache_queries``, ``prefix_cache_hits`` in tokens,
 ``prefix_cache_hit_rate``; ``prefix_cache_blocks``, the blocks cached at the end).
 
+Batch-invariant numerics (``--deterministic on|off|both``): on (the engine's default) or off in every
+engine, or ``both``: each policy runs with them and then without (labelled ``NAME -deterministic``,
+engine option ``deterministic=False``): what the mode costs.
+
 Asynchronous scheduling (``--async-scheduling on|off|both``): on (the engine's default) or off in
 every engine, or ``both``: each policy runs with it and then without it (labelled ``NAME -async``,
 engine option ``async_scheduling=False``). Every run's metrics count the steps that overlapped
@@ -138,6 +142,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "the table is followed by the with / without ratios "
                              "(default: %(default)s)")
 
+    models.add_argument("--deterministic", choices=("on", "off", "both"), default="on",
+                        help="batch-invariant target numerics in every engine (on, the "
+                             "engine's default; off), or both: every policy runs twice, the "
+                             f"second time without them, labelled 'NAME{NO_DETERMINISTIC_SUFFIX}' "
+                             "(default: %(default)s)")
     models.add_argument("--async-scheduling", choices=("on", "off", "both"), default="on",
                         help="asynchronous scheduling in every engine (on, the engine's "
                              "default: a γ = 0 step is committed while the next one runs; "
@@ -293,6 +302,7 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
 
 NO_CACHE_SUFFIX = " -prefix-cache"  # the label of a policy's run without prefix caching
 NO_ASYNC_SUFFIX = " -async"  # ... and of its run without asynchronous scheduling
+NO_DETERMINISTIC_SUFFIX = " -deterministic"  # ... and without batch-invariant numerics
 
 
 def with_variant_runs(policies: list[dict], suffix: str, engine: dict) -> list[dict]:
@@ -950,6 +960,8 @@ def run(args: argparse.Namespace) -> int:
         policies = with_prefix_cache_runs(policies)
     if args.async_scheduling == "both":
         policies = with_variant_runs(policies, NO_ASYNC_SUFFIX, {"async_scheduling": False})
+    if args.deterministic == "both":
+        policies = with_variant_runs(policies, NO_DETERMINISTIC_SUFFIX, {"deterministic": False})
     arrivals = build_arrivals(args)
     if args.workload == "code" and args.workload_file:
         raise ValueError("--workload code reads the held-out corpus split; --workload-file is "
@@ -978,6 +990,7 @@ def run(args: argparse.Namespace) -> int:
     # (--prefix-caching both: the runs without it override this in their "engine" options)
     engine_kwargs["enable_prefix_caching"] = args.prefix_caching != "off"
     engine_kwargs["async_scheduling"] = args.async_scheduling != "off"  # (likewise)
+    engine_kwargs["deterministic"] = args.deterministic != "off"  # (likewise)
     if multiturn and arrivals.context_tokens is not None:
         print("note: --workload multiturn takes only the trace's times (conversation starts), "
               "not its token counts", file=sys.stderr)
