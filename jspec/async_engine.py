@@ -3,12 +3,21 @@
 Model steps block for milliseconds to seconds, so they run on their own thread and never on the
 event loop; requests and aborts cross over through a lock-protected inbox, and outputs come back
 through ``loop.call_soon_threadsafe`` into one asyncio queue per request.
+
+An exception on the engine thread (a step, adding or aborting a request) ends the loop for
+good: the engine's state is not known to be consistent after it (a step may have died with a
+donated KV pool already consumed), so nothing is retried. It is logged with its traceback on
+``jspec.engine``, every request in flight gets an ``EngineFailedError``, the engine's queues
+and KV blocks are released so that ``stats()`` tells the truth, later requests are refused
+with the same error, and the failure listeners run (the server exits non-zero on it, as vLLM's
+API server does on an engine-core failure, so that a supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from typing import AsyncIterator, Callable
 
@@ -17,6 +26,17 @@ from jspec.engine_info import EngineLimits, EngineStats
 from jspec.outputs import RequestOutput
 from jspec.sampling_params import SamplingParams
 from policies.base import StepOutcome
+
+logger = logging.getLogger("jspec.engine")
+
+
+class EngineFailedError(RuntimeError):
+    """The engine loop failed (its cause is ``__cause__``): the request cannot complete, and
+    the engine takes no new ones."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"the engine failed: {error!r}")
+        self.__cause__ = error
 
 
 class AsyncLLMEngine:
@@ -28,7 +48,9 @@ class AsyncLLMEngine:
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # what ended the engine loop, once it failed
+        self._failure_listeners: list[Callable[[BaseException], None]] = []
+        self._failure_handled = False  # the failure listeners ran (or were never needed)
         self._thread = threading.Thread(target=self._loop, name="jspec-engine", daemon=True)
         self._thread.start()
 
@@ -49,13 +71,15 @@ class AsyncLLMEngine:
         sampling_params = sampling_params or SamplingParams()
         self.engine.validate_request(prompt, sampling_params)
         if self.error is not None:
-            raise RuntimeError("the engine loop has failed") from self.error
+            raise EngineFailedError(self.error)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             if self._stopped:
+                if self.error is not None:
+                    raise EngineFailedError(self.error)
                 raise RuntimeError("the engine is stopped")
             self._streams[request_id] = (loop, queue)
             self._new.append((request_id, prompt, sampling_params))
@@ -96,8 +120,11 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         """``LLMEngine.stats()``, with the requests handed to the engine thread but not yet
-        added to its queue counted as waiting."""
+        added to its queue counted as waiting. Once the engine failed nothing runs or waits
+        (every request was failed), whatever its queues held when it died."""
         stats = self.engine.stats()
+        if self.error is not None:
+            return dataclasses.replace(stats, num_running=0, num_waiting=0)
         pending = len(self._new)
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending) \
             if pending else stats
@@ -118,6 +145,17 @@ class AsyncLLMEngine:
 
     def remove_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
         self.engine.remove_step_listener(fn)
+
+    def add_failure_listener(self, fn: Callable[[BaseException], None]) -> None:
+        """Call ``fn(error)`` once the engine loop has failed and every request in flight has
+        its error: on the engine thread, or at once if that has already happened."""
+        with self._lock:
+            if not self._failure_handled:
+                self._failure_listeners.append(fn)
+                return
+            error = self.error
+        if error is not None:
+            fn(error)
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._lock:
@@ -140,6 +178,16 @@ class AsyncLLMEngine:
                 self._streams.pop(request_id, None)
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - whatever ended the loop fails the engine
+            self._fail(e)
+        else:
+            with self._lock:
+                self._failure_handled = True
+                self._failure_listeners = []
+
+    def _run(self) -> None:
         engine = self.engine
         while True:
             with self._lock:
@@ -168,14 +216,31 @@ class AsyncLLMEngine:
                 for request_id in pending:
                     self._deliver(RuntimeError("the engine was shut down"), request_id)
                 return
-            try:
-                outputs = engine.step()
-            except BaseException as e:  # surface engine failures to every waiting caller
-                self.error = e
-                for request_id in list(self._streams):
-                    self._deliver(RuntimeError(f"engine step failed: {e!r}"), request_id)
-                with self._lock:
-                    self._stopped = True
-                return
-            for out in outputs:
+            for out in engine.step():
                 self._deliver(out, out.request_id)
+
+    def _fail(self, error: BaseException) -> None:
+        """The loop raised ``error``: log it, fail every request in flight, release what the
+        engine holds for them, then tell the failure listeners."""
+        with self._lock:
+            self.error = error  # from now on generate() refuses new requests
+            self._stopped = True
+            self._new, self._aborts = [], []
+            failed = list(self._streams)
+        logger.error("the engine failed; failing the requests in flight (%d)", len(failed),
+                     exc_info=error)
+        for request_id in failed:
+            self._deliver(EngineFailedError(error), request_id)
+        try:
+            self.engine.drop_requests()  # their KV blocks back to the pool, the queues empty
+        except Exception:
+            logger.exception("releasing the failed requests' KV blocks failed too: the KV "
+                             "gauges keep the blocks they held")
+        with self._lock:
+            self._failure_handled = True
+            listeners, self._failure_listeners = self._failure_listeners, []
+        for fn in listeners:
+            try:
+                fn(error)
+            except Exception:
+                logger.exception("a failure listener raised")

@@ -3,7 +3,10 @@
 Without --target/--draft it serves the built-in default pair. The port is bound at once and
 GET /health answers 503 until the models are loaded and every shape bucket is compiled, then 200.
 SIGTERM (or Ctrl-C) stops accepting, gives requests in flight --grace-period seconds, aborts the
-rest and exits 0; a second signal aborts at once.
+rest and exits 0; a second signal aborts at once. If the engine fails (an exception in a step),
+the traceback is logged, the requests in flight get an error, /health answers 503
+{"status": "failed"} and the process exits 1 for its supervisor to restart it (with
+--keep-alive-on-engine-failure it answers 503 until stopped, then exits 1).
 
 Every check that can fail on user input (policy, options, server settings) runs before the
 models load.
@@ -46,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long requests in flight get to finish before "
                              "they are aborted (default: %(default)s)")
+    server.add_argument("--keep-alive-on-engine-failure", action="store_true",
+                        help="after the engine fails, keep answering (503, /health 'failed') "
+                             "until stopped instead of exiting 1 at once; for debugging")
     distributed.add_arguments(parser)
 
 
@@ -63,8 +69,9 @@ def _require_server_dependencies() -> None:
 
 
 def _log_to_stderr() -> None:
-    """The server's own log lines on stderr, without touching the root logger (so libraries'
-    INFO chatter stays hidden); once per process, however often `run` is called."""
+    """The server's and the engine's own log lines on stderr, without touching the root logger
+    (so libraries' INFO chatter stays hidden); once per process, however often `run` is
+    called."""
     import logging
 
     class StderrHandler(logging.StreamHandler):
@@ -79,13 +86,14 @@ def _log_to_stderr() -> None:
         def stream(self, value):
             pass
 
-    log = logging.getLogger("jspec.serve")
-    if not any(getattr(h, "_jspec_serve", False) for h in log.handlers):
-        handler = StderrHandler()
-        handler.setFormatter(logging.Formatter("jspec serve: %(message)s"))
-        handler._jspec_serve = True
-        log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    for name in ("jspec.serve", "jspec.engine"):
+        log = logging.getLogger(name)
+        if not any(getattr(h, "_jspec_serve", False) for h in log.handlers):
+            handler = StderrHandler()
+            handler.setFormatter(logging.Formatter("jspec serve: %(message)s"))
+            handler._jspec_serve = True
+            log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -108,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     from serve.server import Server
 
     options = ServerOptions(model_name=served_model_name(args), api_key=args.api_key,
-                            max_queue=args.max_queue, grace_period=args.grace_period)
+                            max_queue=args.max_queue, grace_period=args.grace_period,
+                            keep_alive_on_engine_failure=args.keep_alive_on_engine_failure)
 
     # transformers' advisory warnings (about torch-only features) are noise to jspec's users
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -154,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if sync is not None:
             sync.stop()
-    if engine is not None and args.policy_state:
+    if server.failure is not None:
+        if args.policy_state:  # a failed step may have left the policy half updated
+            print(f"not saving the policy state to {args.policy_state}: the engine failed",
+                  file=sys.stderr)
+    elif engine is not None and args.policy_state:
         engine.save_policy_state(args.policy_state)
-    return 0
+    return server.exit_code

@@ -339,6 +339,20 @@ class LLMEngine:
             self.metrics.num_requests_aborted += 1
             self._pending_outputs.append(self._finish(req))
 
+    def drop_requests(self) -> list[str]:
+        """End every request without an output and forget the step in flight: what a caller
+        does after ``step`` raised and it has failed the requests itself (the engine's state
+        is then not known to be fit for another step). The queues empty and the requests' KV
+        blocks go back to the pool, so ``stats()`` says nothing runs. Returns their ids."""
+        self._inflight = None
+        self._pending_outputs = []
+        scheduler = self.scheduler
+        dropped = [seq.request_id for seq in scheduler.running + scheduler.waiting]
+        for request_id in dropped:
+            scheduler.abort(request_id)
+        self._requests.clear()
+        return dropped
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

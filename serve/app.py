@@ -46,6 +46,9 @@ class ServerOptions:
     max_queue: int = 256  # requests that may wait beyond the max_num_seqs running ones
     grace_period: float = 30.0  # seconds in-flight requests get to finish on shutdown
     retry_after: int = 1  # seconds, sent with 503 when the queue is full
+    # after an engine failure, answer 503 until stopped instead of exiting (for debugging;
+    # vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)
+    keep_alive_on_engine_failure: bool = False
 
     def __post_init__(self):
         if not self.model_name:
@@ -75,7 +78,7 @@ class OpenAIApp:
     def __init__(self, options: ServerOptions):
         self.options = options
         self.engine = None  # AsyncLLMEngine once loaded and warmed up
-        self.status = "loading"  # loading -> ready -> draining; or error
+        self._status = "loading"  # loading -> ready -> draining; or error (the load failed)
         self.load_error: str | None = None
         self.created = created_now()
         self._in_flight: dict[str, _Tracker] = {}  # engine request id -> tracker
@@ -97,22 +100,38 @@ class OpenAIApp:
         ])
 
     # ------------------------------------------------------------------ life cycle
+    @property
+    def status(self) -> str:
+        """loading -> ready -> draining; ``error`` when the load failed, ``failed`` from the
+        moment the engine loop failed (read from the engine, so no request slips in between)."""
+        if self.engine is not None and self.engine.error is not None:
+            return "failed"
+        return self._status
+
+    def engine_failure(self) -> str:
+        """What the failed engine's clients are told: the error, and what the server does."""
+        then = ("the server answers 503 until it is stopped (--keep-alive-on-engine-failure)"
+                if self.options.keep_alive_on_engine_failure else
+                "the server is exiting so that its supervisor restarts it")
+        return (f"the engine failed: {self.engine.error!r}; every request in flight was failed "
+                f"and {then}")
+
     def set_engine(self, engine) -> None:
         self.metrics.attach(engine)  # before ready: no request has run a step yet
         self.engine = engine
-        self.status = "ready"
+        self._status = "ready"
 
     def release_engine(self) -> None:
         """The engine has stopped: stop recording its steps (it stays readable for /metrics)."""
         self.metrics.detach()
 
     def set_load_error(self, message: str) -> None:
-        self.status, self.load_error = "error", message
+        self._status, self.load_error = "error", message
 
     def start_draining(self) -> None:
         """Refuse new requests from now on (their clients get 503 and a closed connection)."""
-        if self.status in ("loading", "ready"):
-            self.status = "draining"
+        if self._status in ("loading", "ready"):
+            self._status = "draining"
 
     @property
     def num_in_flight(self) -> int:
@@ -185,10 +204,9 @@ class OpenAIApp:
     # ------------------------------------------------------------------ simple routes
     async def health(self, request: web.Request) -> web.Response:
         body: dict = {"status": self.status, "model": self.options.model_name}
-        if self.status == "ready" and self.engine is not None and self.engine.error is not None:
-            body["status"] = "error"
-            body["message"] = f"the engine loop failed: {self.engine.error!r}"
-        elif self.status == "error":
+        if body["status"] == "failed":
+            body["message"] = self.engine_failure()
+        elif body["status"] == "error":
             body["message"] = self.load_error
         if self.engine is not None:
             stats = self.engine.stats()
@@ -247,20 +265,21 @@ class OpenAIApp:
             self._release(ids)
 
     def _engine_for_requests(self):
-        if self.status == "draining":
+        status = self.status
+        if status == "failed":
+            raise APIError(503, self.engine_failure(), type="service_unavailable",
+                           code="engine_failed")
+        if status == "draining":
             raise APIError(503, "the server is shutting down and takes no new requests",
                            type="service_unavailable", code="shutting_down",
                            headers={"Connection": "close"})
-        if self.status == "error":
+        if status == "error":
             raise APIError(503, f"the server failed to start: {self.load_error}",
                            type="service_unavailable", code="not_ready")
         if self.engine is None:
             raise APIError(503, "the server is still loading the models and compiling; retry "
                                 "when GET /health reports ready", type="service_unavailable",
                            code="not_ready", headers={"Retry-After": "5"})
-        if self.engine.error is not None:
-            raise APIError(503, f"the engine loop failed: {self.engine.error!r}",
-                           type="service_unavailable", code="engine_failed")
         return self.engine
 
     def _context_limit(self) -> int:
@@ -439,8 +458,7 @@ class OpenAIApp:
                     if out.finished:
                         finals[i] = out
         except RuntimeError as e:  # the engine loop failed or was shut down
-            self._mark_error(ids)
-            raise APIError(500, f"generation failed: {e}", type="server_error",
+            raise APIError(500, self._generation_failed(ids, e), type="server_error",
                            code="engine_failed") from None
         if any(out.finish_reason == "abort" for out in finals):
             raise self._aborted_error()
@@ -500,8 +518,7 @@ class OpenAIApp:
                             await send(chunk([], usage_body(sum(map(len, inputs)),
                                                             completion_tokens, cached_tokens)))
             except RuntimeError as e:  # the engine loop failed: tell the client in-stream
-                self._mark_error(ids)
-                await send(error_body(f"generation failed: {e}", "server_error", None,
+                await send(error_body(self._generation_failed(ids, e), "server_error", None,
                                       "engine_failed"))
             await send("[DONE]")
             await response.write_eof()
@@ -511,12 +528,17 @@ class OpenAIApp:
             pass
         return response
 
-    def _mark_error(self, ids: list[str]) -> None:
+    def _generation_failed(self, ids: list[str], error: RuntimeError) -> str:
+        """Count ``ids`` as ended by an error (the engine failed or was shut down); the message
+        for their client."""
         for rid in ids:
             tracker = self._in_flight.get(rid)
             if tracker is not None and not tracker.done:
                 tracker.done = True
                 self.metrics.finished("error")
+        if self.status == "failed":
+            return f"generation failed: {self.engine_failure()}"
+        return f"generation failed: {error}"
 
 
 def _logprobs(req: GenerationRequest, out, start: int, offset: int) -> dict | None:

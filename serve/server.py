@@ -8,6 +8,14 @@
    in flight ``grace_period`` seconds to finish (a second signal cuts it short), abort the rest
    (their clients get an error saying so), close the connections and stop the engine thread.
 
+An engine failure (an exception on the engine thread) is not recovered from: the engine has
+logged it with its traceback and failed every request in flight; from then on ``/health``
+answers 503 ``{"status": "failed"}`` and generation routes 503 ``engine_failed``, and the server
+drains at once, giving the failed requests' handlers a few seconds to send their errors, and
+ends with ``exit_code`` 1 (so `jspec serve` exits 1 and a supervisor restarts it: vLLM's
+behaviour). With ``keep_alive_on_engine_failure`` it answers 503 until stopped instead; a
+stop after a failure ends with ``exit_code`` 1 all the same.
+
 ``BackgroundServer`` runs the same thing on its own event-loop thread, for tests, notebooks and
 in-process benchmarks.
 """
@@ -51,6 +59,12 @@ class Server:
         self.stop_event: asyncio.Event | None = None
         self._force: asyncio.Event | None = None
         self._cancel_load = threading.Event()
+        self.failure: BaseException | None = None  # what the engine failed with, if it did
+
+    @property
+    def exit_code(self) -> int:
+        """The process's exit status once ``run`` returned: 1 after an engine failure, else 0."""
+        return 0 if self.failure is None else 1
 
     @property
     def url(self) -> str:
@@ -103,6 +117,8 @@ class Server:
                     self.app.set_load_error(str(e))
                     raise
                 self.app.set_engine(engine)
+                engine.add_failure_listener(lambda error: _call_soon(
+                    loop, self._on_engine_failure, error))
                 logger.info("ready: serving %r at %s", self.options.model_name, self.url)
                 await stopping
             else:
@@ -124,6 +140,16 @@ class Server:
                 self.app.release_engine()
         return engine
 
+    def _on_engine_failure(self, error: BaseException) -> None:
+        self.failure = error
+        if self.options.keep_alive_on_engine_failure:
+            logger.error("the engine failed (%r): answering 503 until stopped, then exiting "
+                         "with code 1", error)
+            return
+        logger.error("the engine failed (%r): the requests in flight got the error; exiting "
+                     "with code 1", error)
+        self.stop_event.set()
+
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop_event.is_set():
             logger.info("%s again: aborting what is still running", sig.name)
@@ -136,12 +162,23 @@ class Server:
         self.app.start_draining()
         await site.stop()  # close the listening socket: new connections are refused
         if self.app.engine is not None and self.app.num_in_flight:
-            if not await self.app.wait_idle(self.options.grace_period, self._force):
+            # after a failure the requests in flight have their error: only its answer is left
+            grace = self.options.grace_period if self.failure is None \
+                else min(self.options.grace_period, ABORT_ANSWER_TIMEOUT)
+            if not await self.app.wait_idle(grace, self._force):
                 n = self.app.abort_all()
                 logger.info("grace period over: aborted %d requests", n)
                 await self.app.wait_idle(ABORT_ANSWER_TIMEOUT)
         await runner.cleanup()  # closes kept-alive connections
         logger.info("stopped")
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    """``fn(*args)`` on ``loop`` from another thread; nothing once the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: the server has already stopped
+        pass
 
 
 def _in_thread(fn: Callable[[], object]) -> asyncio.Future:
@@ -165,10 +202,7 @@ def _in_thread(fn: Callable[[], object]) -> asyncio.Future:
             outcome = (None, e)
         else:
             outcome = (result, None)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop is closed: the server stopped while loading
-            pass
+        _call_soon(loop, settle, *outcome)  # nothing if the server stopped while loading
 
     threading.Thread(target=target, name="jspec-load", daemon=True).start()
     return future

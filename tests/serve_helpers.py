@@ -1,10 +1,15 @@
 """Helpers for the server tests: an in-process server over the tiny pair (the shared LLM_KW
-engine shapes, so its executables are the ones the other tests compiled), raw HTTP through
-aiohttp, and reading /metrics."""
+engine shapes, so its executables are the ones the other tests compiled), a `jspec serve`
+subprocess, raw HTTP through aiohttp, and reading /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
 import time
 
 from conftest import LLM_KW
@@ -32,6 +37,51 @@ def start_server(tiny_pair, **options):
         server.stop()
         raise
     return server
+
+
+# `jspec serve` flags for the smallest engine shapes (a handful of buckets): a subprocess cannot
+# share this process's compiled executables
+SMALL_SERVE_ARGS = ["--dtype", "float32", "--max-num-seqs", "2", "--max-model-len", "64",
+                    "--max-num-batched-tokens", "16", "--min-token-bucket", "16",
+                    "--num-speculative-tokens", "2", "--served-model-name", MODEL, "--port", "0",
+                    "--no-progress"]
+
+
+class ServeProcess:
+    """``python *python_args serve *argv`` (``["-m", "jspec.cli"]`` for `jspec serve`), its
+    stderr lines gathered as they come; a context manager that kills it if it still runs."""
+
+    def __init__(self, python_args: list[str], argv: list[str]):
+        self.proc = subprocess.Popen([sys.executable, *python_args, "serve", *argv],
+                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     text=True, env=dict(os.environ))
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr),
+                                        daemon=True)
+        self._reader.start()
+
+    def url(self, pattern: str, what: str) -> str:
+        """The server's URL, once a log line matches ``pattern`` (its group 1 is the URL)."""
+        regex = re.compile(pattern)
+        return wait_until(lambda: next((m.group(1) for m in map(regex.search, list(self.lines))
+                                        if m), None), TIMEOUT, what)
+
+    def log(self) -> str:
+        """What it wrote to stderr so far (all of it once it has exited)."""
+        if self.proc.poll() is not None:
+            self._reader.join(10)
+        return "".join(self.lines)
+
+    def wait(self) -> int:
+        return self.proc.wait(timeout=TIMEOUT)
+
+    def __enter__(self) -> "ServeProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 async def _request(method: str, url: str, body=None, headers=None, timeout: float = TIMEOUT):

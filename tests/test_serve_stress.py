@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
 from serve.client import RequestResult, RequestSpec, percentile, run_requests, summarize
-from serve_helpers import MODEL, TIMEOUT, http, start_server, wait_idle, wait_until
+from serve_helpers import (MODEL, SMALL_SERVE_ARGS, TIMEOUT, ServeProcess, http, start_server,
+                           wait_idle, wait_until)
 
 # ignore_eos and a long max_tokens keep a request running for many steps (max_model_len is 128)
 LONG = {"max_tokens": 110, "ignore_eos": True, "temperature": 0}
@@ -235,21 +231,9 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_pair):
     import aiohttp
 
     target, draft = tiny_pair
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jspec.cli", "serve", "--target", target, "--draft", draft,
-         "--dtype", "float32", "--max-num-seqs", "2", "--max-model-len", "64",
-         "--max-num-batched-tokens", "16", "--min-token-bucket", "16",
-         "--num-speculative-tokens", "2", "--served-model-name", MODEL, "--port", "0",
-         "--grace-period", "120",
-         "--no-progress"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ))
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-    reader.start()
-    try:
-        url = wait_until(lambda: next((m.group(1) for m in map(
-            re.compile(r"listening on (http://\S+)").search, list(lines)) if m), None),
-            TIMEOUT, "the server to listen")
+    with ServeProcess(["-m", "jspec.cli"], ["--target", target, "--draft", draft,
+                                            *SMALL_SERVE_ARGS, "--grace-period", "120"]) as proc:
+        url = proc.url(r"listening on (http://\S+)", "the server to listen")
         # bound before loading: not ready (and no generation) until every bucket is compiled
         assert health(url)["status"] == "loading"
         status, headers, raw = http("POST", url + "/v1/completions",
@@ -261,7 +245,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_pair):
             try:
                 return health(url)["status"] == "ready"
             except Exception:  # noqa: BLE001 - not up yet is fine here
-                assert proc.poll() is None, "".join(lines)
+                assert proc.proc.poll() is None, proc.log()
                 return False
 
         wait_until(ready, 600, "the subprocess server to be ready")
@@ -271,7 +255,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_pair):
                 body = {"prompt": "def f(x):", "max_tokens": 50, "ignore_eos": True,
                         "temperature": 0, "stream_options": {"include_usage": True}}
                 resp = await _open_stream(session, url, body)
-                proc.send_signal(signal.SIGTERM)
+                proc.proc.send_signal(signal.SIGTERM)
                 return (await resp.content.read()).decode()
 
         rest = asyncio.run(request_then_sigterm())
@@ -280,12 +264,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tiny_pair):
         assert rest.rstrip().endswith("data: [DONE]")
         assert events[-1]["usage"]["completion_tokens"] == 50  # it finished, not aborted
         assert events[-2]["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(timeout=TIMEOUT) == 0, "".join(lines)
-        reader.join(10)
-        log = "".join(lines)
+        assert proc.wait() == 0, proc.log()
+        log = proc.log()
         assert "SIGTERM: no new requests; 1 in flight" in log and "stopped" in log, log
         assert "aborted" not in log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
