@@ -29,6 +29,7 @@ from models import sharding
 from models.config import ModelConfig
 from models.transformer import KVCache, ModelInput, forward
 from pallas_kernels import backend as kernel_backend
+from pallas_kernels import batch_invariance
 from pallas_kernels.kv_migration import pad_pairs, validate_pairs
 from pallas_kernels.ragged_paged_attention import AttentionMetadata
 
@@ -159,6 +160,11 @@ class ModelRunner:
         # greedy equality with plain decoding needs; the drafts only propose, so they keep the
         # cheaper batch-dependent arithmetic
         self.batch_invariant = rc.engine.deterministic
+        if self.batch_invariant and np.dtype(kv_dtype).name == "bfloat16":
+            # the guarantee is bf16's (batch_invariance: float32 dots are not invariant on
+            # XLA:CPU); probed on the target's fused QKV projection shape
+            batch_invariance.warn_if_unsupported("bfloat16", target.cfg.hidden_size,
+                                                 target.cfg.q_size + 2 * target.cfg.kv_size)
         # Elastic memory's extension (jspec/elastic.py): "segments" adds it to the target's
         # pool as a second array while the draft is offloaded (expand_target_pool) and drops it
         # at contraction; "preallocated" sizes the one array for base + extension from the

@@ -29,10 +29,19 @@ deterministic inference; they fix GPU kernels' tile sizes and split counts for t
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MIN_DOT_ROWS = 4
+
+
+class BatchInvarianceWarning(UserWarning):
+    """This backend breaks the batch-invariant mode's premise (``probe_dots``): greedy
+    speculative output may differ from plain greedy output here."""
 
 
 def pad_rows(x: jax.Array, min_rows: int = MIN_DOT_ROWS) -> jax.Array:
@@ -48,3 +57,35 @@ def min_q_block(group: int, min_rows: int = MIN_DOT_ROWS) -> int:
     ``group`` query heads per KV head."""
     tokens = -(-min_rows // max(1, group))
     return 1 << (tokens - 1).bit_length()
+
+
+# row counts the probe compares: the floor, just past it, and a step's typical sizes
+_PROBE_ROWS = (MIN_DOT_ROWS + 1, 8, 64, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def probe_dots(dtype_name: str, depth: int, width: int) -> str | None:
+    """Whether this backend's ``[rows, depth] @ [depth, width]`` dots (``dtype_name`` inputs,
+    float32 accumulation) give a row the same bits for every row count from ``MIN_DOT_ROWS``
+    up: None if so, else what differed. The premise of the mode, checked once per process and
+    shape on the machine that runs it (a few milliseconds of compiling)."""
+    rng = np.random.default_rng(0)
+    dtype = jnp.dtype(dtype_name)
+    w = jnp.asarray(rng.standard_normal((depth, width)) * 0.05, dtype)
+    x = jnp.asarray(rng.standard_normal((max(_PROBE_ROWS), depth)), dtype)
+    dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    row = np.asarray(dot(x[:MIN_DOT_ROWS], w))[0]
+    for rows in _PROBE_ROWS:
+        if not np.array_equal(np.asarray(dot(x[:rows], w))[0], row):
+            return (f"a {dtype_name} dot's first row differs between {MIN_DOT_ROWS} and {rows} "
+                    f"rows ([rows, {depth}] @ [{depth}, {width}])")
+    return None
+
+
+def warn_if_unsupported(dtype_name: str, depth: int, width: int) -> None:
+    """Warn once per shape if ``probe_dots`` finds this backend's dots batch-dependent."""
+    reason = probe_dots(dtype_name, depth, width)
+    if reason is not None:
+        warnings.warn(f"deterministic mode cannot make logits batch-invariant on this backend: "
+                      f"{reason}; greedy speculative output may differ from plain greedy "
+                      "output here", BatchInvarianceWarning, stacklevel=3)

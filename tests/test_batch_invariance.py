@@ -126,3 +126,20 @@ def test_speculative_alone_equals_plain_alone(bf16_models, prompts, plain_alone)
     engine = make_engine(target, draft, policy_options=(("gamma", 4),), **BF16)
     outs = [run_to_completion(engine, [p], GREEDY)["0"].token_ids for p in prompts]
     _assert_same(outs, plain_alone, "static γ=4 alone")
+
+
+def test_the_backend_probe_passes_here_and_names_what_differs(monkeypatch):
+    from pallas_kernels import batch_invariance
+
+    assert batch_invariance.probe_dots("bfloat16", 64, 192) is None
+    # a backend whose dots changed order past 4 rows would be named, with the shapes
+    monkeypatch.setattr(batch_invariance, "MIN_DOT_ROWS", 1)
+    batch_invariance.probe_dots.cache_clear()
+    try:
+        reason = batch_invariance.probe_dots("bfloat16", 64, 192)
+    finally:
+        batch_invariance.probe_dots.cache_clear()
+    assert reason is not None and "differs between 1 and" in reason and "[rows, 64]" in reason
+    with pytest.warns(batch_invariance.BatchInvarianceWarning, match="cannot make logits"):
+        batch_invariance.warn_if_unsupported("bfloat16", 64, 200)
+    batch_invariance.probe_dots.cache_clear()
