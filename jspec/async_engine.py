@@ -44,7 +44,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._new: list[tuple[str, object, SamplingParams]] = []
+        self._new: list[tuple[str, object, SamplingParams, str | None]] = []
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
@@ -62,14 +62,16 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, *, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (each with the cumulative text and this step's delta).
 
         Invalid input raises ValueError here, before anything is queued. Cancelling the
         consumer (e.g. a client disconnect) aborts the request and frees its KV blocks.
+        ``cache_salt``: see ``LLMEngine.add_request``.
         """
         sampling_params = sampling_params or SamplingParams()
-        self.engine.validate_request(prompt, sampling_params)
+        self.engine.validate_request(prompt, sampling_params, cache_salt)
         if self.error is not None:
             raise EngineFailedError(self.error)
         loop = asyncio.get_running_loop()
@@ -82,7 +84,7 @@ class AsyncLLMEngine:
                     raise EngineFailedError(self.error)
                 raise RuntimeError("the engine is stopped")
             self._streams[request_id] = (loop, queue)
-            self._new.append((request_id, prompt, sampling_params))
+            self._new.append((request_id, prompt, sampling_params, cache_salt))
             self._wake.notify()
         finished = False
         try:
@@ -202,9 +204,9 @@ class AsyncLLMEngine:
                     pending = None
                     new, aborts = self._new, self._aborts
                     self._new, self._aborts = [], []
-            for request_id, prompt, sp in new:
+            for request_id, prompt, sp, salt in new:
                 try:
-                    engine.add_request(request_id, prompt, sp)
+                    engine.add_request(request_id, prompt, sp, cache_salt=salt)
                 except ValueError as e:
                     self._deliver(e, request_id)
             if aborts:

@@ -22,8 +22,11 @@ outside the free list, until :meth:`expand` hands them out; :meth:`contraction_p
 
 Prefix caching (``enable_caching``; vLLM's automatic prefix caching): a *full* block whose
 target K/V is computed is registered in an index under a hash chain over its tokens (SHA-256 of
-the previous block's hash and this block's token ids, seeded with ``cache_salt``), so the key
-names the whole prefix up to the block's end. A request without a table first takes the longest
+the previous block's hash and this block's token ids, seeded with ``namespace``), so the key
+names the whole prefix up to the block's end. A request's ``cache_salt`` (vLLM's per-request
+salt) is mixed into its first block's hash only, and the chain carries it to every later block:
+requests share cached blocks only when they give the same salt (or both none), so one tenant
+cannot learn from a fast prefill that another sent the same prefix. A request without a table first takes the longest
 chain of indexed blocks its tokens start with (:meth:`match_prefix`, reference counted: several
 requests read one block), and its prefill starts after them. Indexed blocks stay indexed when the
 last table lets them go: they wait, in least-recently-used order, among the free blocks
@@ -59,6 +62,17 @@ import numpy as np
 NULL_BLOCK = 0
 
 
+def check_cache_salt(cache_salt: object) -> None:
+    """A request's prefix-cache salt is None (no salt) or a non-empty string."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a non-empty string, got "
+                         f"{type(cache_salt).__name__}")
+    if not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string, got an empty string")
+
+
 @dataclasses.dataclass
 class PrefixCacheStats:
     """Prefix-cache counters, in tokens, counted once per admitted request (vLLM's
@@ -90,7 +104,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_extension_blocks: int = 0, *,
                  enable_caching: bool = False, num_pool_models: int = 1,
-                 cache_salt: bytes = b"") -> None:
+                 namespace: bytes = b"") -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), "
                              f"got {num_blocks}")
@@ -116,7 +130,7 @@ class BlockManager:
         # are valid (bit m); indexed blocks no table holds, least recently used first
         self.enable_caching = enable_caching
         self.num_pool_models = num_pool_models
-        self._salt = hashlib.sha256(b"jspec-prefix-cache\0" + cache_salt).digest()
+        self._root = hashlib.sha256(b"jspec-prefix-cache\0" + namespace).digest()
         self._index: dict[bytes, int] = {}
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_pools: list[int] = [0] * num_blocks
@@ -262,7 +276,8 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix caching
     def match_prefix(self, request_id: Hashable, token_ids: Sequence[int],
-                     hashes: list[bytes] | None = None) -> list[int]:
+                     hashes: list[bytes] | None = None, cache_salt: str | None = None
+                     ) -> list[int]:
         """Give a request without a table the longest run of cached blocks its tokens start
         with (shared, reference counted) and return how many of its tokens each pool holds:
         ``[target, pool model 0, ...]`` (multiples of ``block_size``; a pool model's count
@@ -272,14 +287,15 @@ class BlockManager:
 
         ``hashes``: the request's hash chain so far, extended in place and used from then on
         (a sequence's tokens only grow, so a caller that keeps it hashes each block once, also
-        across preemptions and refused admissions)."""
+        across preemptions and refused admissions). ``cache_salt``: the request's salt; it
+        must be the same in every call for the request, :meth:`cache_blocks`' included."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has a block table")
         bs = self.block_size
         table = self._tables[request_id] = []
         if self.enable_caching:
             hashes = self._hashes[request_id] = self._chain(
-                [] if hashes is None else hashes, token_ids, len(token_ids) // bs)
+                [] if hashes is None else hashes, token_ids, len(token_ids) // bs, cache_salt)
             index = self._index
             for h in hashes[:(len(token_ids) - 1) // bs]:
                 block = index.get(h)
@@ -312,7 +328,8 @@ class BlockManager:
 
     def cache_blocks(self, request_id: Hashable, num_computed: int,
                      pool_computed: Sequence[int],
-                     token_ids: Callable[[], Sequence[int]]) -> None:
+                     token_ids: Callable[[], Sequence[int]],
+                     cache_salt: str | None = None) -> None:
         """Index the request's full blocks whose target K/V are computed (its first
         ``num_computed`` tokens) and mark those pool model m covers (``pool_computed[m]``
         tokens). Cheap when no model's K/V reached a new block since the last call (most decode
@@ -335,7 +352,7 @@ class BlockManager:
         if n_full > done:
             hashes = self._hashes.setdefault(request_id, [])
             if len(hashes) < n_full:
-                self._chain(hashes, token_ids(), n_full)
+                self._chain(hashes, token_ids(), n_full, cache_salt)
             index, block_hash = self._index, self._block_hash
             for i in range(done, n_full):
                 h, block = hashes[i], table[i]
@@ -376,10 +393,17 @@ class BlockManager:
         for marked in self._pool_marked.values():
             marked[:] = [0] * len(marked)
 
-    def _chain(self, hashes: list[bytes], token_ids: Sequence[int], n: int) -> list[bytes]:
+    def _chain(self, hashes: list[bytes], token_ids: Sequence[int], n: int,
+               cache_salt: str | None) -> list[bytes]:
         """Extend ``hashes`` (the chain of the first len(hashes) blocks) to ``n`` blocks."""
         bs = self.block_size
-        prev = hashes[-1] if hashes else self._salt
+        if hashes:
+            prev = hashes[-1]
+        elif cache_salt is None:
+            prev = self._root
+        else:  # the salt enters the first block's hash; each later hash contains it
+            prev = hashlib.sha256(b"jspec-cache-salt\0" + self._root
+                                  + cache_salt.encode("utf-8", "surrogatepass")).digest()
         for i in range(len(hashes), n):
             tokens = np.asarray(token_ids[i * bs:(i + 1) * bs], np.int64)
             prev = hashlib.sha256(prev + tokens.tobytes()).digest()

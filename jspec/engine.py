@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jspec import input_batch as ib
-from jspec.block_manager import BlockManager, PrefixCacheStats
+from jspec.block_manager import BlockManager, PrefixCacheStats, check_cache_salt
 from jspec.config import EngineConfig, gamma_bucket, gamma_buckets, resolve
 from jspec.detokenizer import IncrementalDetokenizer, find_stop
 from jspec.distributed import StepSync
@@ -162,7 +162,7 @@ class LLMEngine:
             self.rc.num_kv_blocks + self.rc.num_extension_blocks, config.block_size,
             self.rc.num_extension_blocks, enable_caching=config.enable_prefix_caching,
             num_pool_models=max(1, len(pool)),
-            cache_salt=repr([model_signature(m.cfg) for m in [target, *pool]]).encode())
+            namespace=repr([model_signature(m.cfg) for m in [target, *pool]]).encode())
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.rc.max_num_batched_tokens,
@@ -260,13 +260,14 @@ class LLMEngine:
 
             self.policy.set_profile(engine_profile(self))
 
-    def validate_request(self, prompt: str | list[int], sampling_params: SamplingParams
-                         ) -> list[int]:
+    def validate_request(self, prompt: str | list[int], sampling_params: SamplingParams,
+                         cache_salt: str | None = None) -> list[int]:
         """Tokenize and check a request; raise ValueError naming the problem before anything
         runs."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(sampling_params).__name__}")
+        check_cache_salt(cache_salt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -301,11 +302,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, *, cache_salt: str | None = None
+                    ) -> None:
+        """Queue a request. ``cache_salt`` (vLLM's per-request salt): the request shares
+        prefix-cache blocks only with requests that gave the same salt (and a request without
+        one only with others without), so tenants given distinct salts cannot time each other's
+        prefixes."""
         sampling_params = sampling_params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.validate_request(prompt, sampling_params)
+        token_ids = self.validate_request(prompt, sampling_params, cache_salt)
         self.ensure_profile()
         seed = sampling_params.seed
         if seed is None:
@@ -313,7 +319,7 @@ class LLMEngine:
         now = time.perf_counter() if arrival_time is None else arrival_time
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids,
                        sampling_params=sampling_params, arrival_index=next(self._arrivals),
-                       arrival_time=now, seed=seed,
+                       arrival_time=now, seed=seed, cache_salt=cache_salt,
                        draft_computed=[0] * max(1, len(self.runner.pool)))
         capacity = self.block_manager.num_base_usable_blocks * self.config.block_size
         max_tokens = min(sampling_params.max_tokens, self.rc.max_model_len - len(token_ids),
@@ -324,7 +330,7 @@ class LLMEngine:
             arrival_time=now, logprobs=None if sampling_params.logprobs is None else [])
         self.scheduler.add(seq)
         if self.sync is not None and self.sync.leader:
-            self._events.append(("add", request_id, token_ids, sampling_params))
+            self._events.append(("add", request_id, token_ids, sampling_params, cache_salt))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -380,7 +386,8 @@ class LLMEngine:
     def _replay(self, events: list[tuple]) -> None:
         for event in events:
             if event[0] == "add":
-                self.add_request(*event[1:])
+                _, request_id, token_ids, sampling_params, cache_salt = event
+                self.add_request(request_id, token_ids, sampling_params, cache_salt=cache_salt)
             else:
                 self.abort_request(event[1])
 
@@ -980,7 +987,7 @@ class LLMEngine:
         frees them). K/V past the last kept token (a draft accepted after an EOS) are not
         counted: their tokens are not in the sequence."""
         self.block_manager.cache_blocks(seq.request_id, min(seq.num_computed, seq.num_tokens),
-                                        seq.draft_computed, seq.token_ids)
+                                        seq.draft_computed, seq.token_ids, seq.cache_salt)
 
     def _add_logprobs(self, req: _Request, logprobs, row: int, count: int) -> None:
         """vLLM's per-token ``{token id: Logprob}``: the request's top ``logprobs`` tokens at

@@ -163,16 +163,18 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
 
 
 def _prompt_of(prompt):
-    """A prompt as the engine takes it (text or token ids) from vLLM's dict forms too."""
+    """(prompt as the engine takes it: text or token ids, its cache salt or None), from
+    vLLM's dict forms too (``{"prompt": ..., "cache_salt": ...}``)."""
     if not isinstance(prompt, dict):
-        return prompt
-    keys = set(prompt)
+        return prompt, None
+    keys = set(prompt) - {"cache_salt"}
+    salt = prompt.get("cache_salt")
     if keys == {"prompt_token_ids"}:
-        return list(prompt["prompt_token_ids"])
+        return list(prompt["prompt_token_ids"]), salt
     if keys == {"prompt"}:
-        return prompt["prompt"]
+        return prompt["prompt"], salt
     raise ValueError(f"a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids' "
-                     f"(token ids), got keys {sorted(keys)}")
+                     f"(token ids), and optionally 'cache_salt'; got keys {sorted(prompt)}")
 
 
 class LLM:
@@ -228,12 +230,13 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or as vLLM takes them
-        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``); outputs come back in prompt
-        order."""
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``, either with an optional
+        ``"cache_salt"``: see ``LLMEngine.add_request``); outputs come back in prompt order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = [_prompt_of(p) for p in prompts]
+        pairs = [_prompt_of(p) for p in prompts]
+        prompts, salts = [p for p, _ in pairs], [salt for _, salt in pairs]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -247,11 +250,11 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} "
                                  f"prompts")
         # validate everything before anything runs
-        for prompt, sp in zip(prompts, params_list):
-            self.engine.validate_request(prompt, sp)
+        for prompt, sp, salt in zip(prompts, params_list, salts):
+            self.engine.validate_request(prompt, sp, salt)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, sp in zip(ids, prompts, params_list):
-            self.engine.add_request(rid, prompt, sp)
+        for rid, prompt, sp, salt in zip(ids, prompts, params_list, salts):
+            self.engine.add_request(rid, prompt, sp, cache_salt=salt)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

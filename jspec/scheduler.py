@@ -337,7 +337,7 @@ class Scheduler:
         """Give ``seq`` the cached blocks its tokens start with; each model's K/V then covers
         what its pool had cached (the draft's may be shorter than the target's)."""
         cached = self.block_manager.match_prefix(seq.request_id, seq.token_ids(),
-                                                 seq.block_hashes)
+                                                 seq.block_hashes, seq.cache_salt)
         seq.num_computed = cached[0]
         seq.draft_computed = cached[1:1 + len(seq.draft_computed)]
         return cached

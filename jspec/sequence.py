@@ -61,6 +61,9 @@ class Sequence:
     # the prefix cache's hash chain of its full blocks (BlockManager.match_prefix): tokens only
     # grow, so each block is hashed once in the sequence's life, preemptions included
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    # the request's prefix-cache salt (LLMEngine.add_request): it shares cached blocks only with
+    # requests that gave the same one
+    cache_salt: str | None = None
 
     @property
     def num_draft_computed(self) -> int:

@@ -403,14 +403,16 @@ class OpenAIApp:
             self.metrics.finished(out.finish_reason, len(out.prompt_token_ids), out.num_tokens,
                                   e2e=None if aborted else now - tracker.start, tpot=tpot)
 
-    async def _outputs(self, inputs, params, ids) -> AsyncIterator[tuple[int, object]]:
+    async def _outputs(self, inputs, params, ids, cache_salt: str | None
+                       ) -> AsyncIterator[tuple[int, object]]:
         """(prompt index, RequestOutput) from every prompt's stream, as they come. Closing this
         generator (the handler ends or is cancelled) aborts whatever has not finished."""
         engine = self.engine
         for rid in ids:
             self._in_flight[rid].submitted = True
         if len(ids) == 1:
-            async with aclosing(engine.generate(inputs[0], params[0], ids[0])) as stream:
+            async with aclosing(engine.generate(inputs[0], params[0], ids[0],
+                                                cache_salt=cache_salt)) as stream:
                 async for out in stream:
                     self._observe(ids[0], out)
                     yield 0, out
@@ -419,7 +421,8 @@ class OpenAIApp:
 
         async def pump(i: int) -> None:
             try:
-                async with aclosing(engine.generate(inputs[i], params[i], ids[i])) as stream:
+                async with aclosing(engine.generate(inputs[i], params[i], ids[i],
+                                                    cache_salt=cache_salt)) as stream:
                     async for out in stream:
                         queue.put_nowait((i, out))
             except Exception as e:  # delivered to the consumer; cancellation is not an error
@@ -453,7 +456,7 @@ class OpenAIApp:
                         ) -> web.Response:
         finals: list = [None] * len(ids)
         try:
-            async with aclosing(self._outputs(inputs, params, ids)) as outputs:
+            async with aclosing(self._outputs(inputs, params, ids, req.cache_salt)) as outputs:
                 async for i, out in outputs:
                     if out.finished:
                         finals[i] = out
@@ -491,7 +494,8 @@ class OpenAIApp:
         completion_tokens = cached_tokens = 0
         try:
             try:
-                async with aclosing(self._outputs(inputs, params, ids)) as outputs:
+                outputs = self._outputs(inputs, params, ids, req.cache_salt)
+                async with aclosing(outputs):
                     async for i, out in outputs:
                         if out.finish_reason == "abort":
                             await send(self._aborted_error().body())

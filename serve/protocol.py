@@ -128,10 +128,10 @@ def _neutral(name: str, value: Any, allowed: tuple, what: str) -> None:
 
 
 # Fields shared by /v1/completions and /v1/chat/completions, and how each is read.
-# Extensions beyond OpenAI's schema, as in vLLM: top_k, stop_token_ids, ignore_eos.
+# Extensions beyond OpenAI's schema, as in vLLM: top_k, stop_token_ids, ignore_eos, cache_salt.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "logprobs")
-_COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "n", "user",
+_COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "n", "user", "cache_salt",
                   "presence_penalty", "frequency_penalty", "logit_bias", *_SAMPLING_FIELDS}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs",
@@ -152,6 +152,8 @@ class GenerationRequest:
     sampling: dict[str, Any]  # SamplingParams fields other than max_tokens
     stream: bool
     include_usage: bool
+    # the prefix-cache salt (vLLM's cache_salt): prefixes are shared only among its requests
+    cache_salt: str | None = None
 
 
 def _check_fields(body: dict, known: set[str]) -> None:
@@ -223,6 +225,15 @@ def _common(body: dict) -> tuple[str, dict, bool, bool]:
     return model, sampling, stream, include_usage
 
 
+def _cache_salt(body: dict) -> str | None:
+    value = body.get("cache_salt")
+    if value is None:
+        return None
+    if not _str("cache_salt", value):
+        raise invalid("cache_salt", "cache_salt must be a non-empty string, got an empty string")
+    return value
+
+
 def _max_tokens(name: str, value: Any) -> int | None:
     if value is None:
         return None
@@ -247,7 +258,7 @@ def parse_completion_request(body: dict) -> GenerationRequest:
         _neutral("suffix", _str("suffix", body["suffix"]) or None, (), "no insertion")
     return GenerationRequest("completion", model, prompts,
                              _max_tokens("max_tokens", body.get("max_tokens")), "max_tokens",
-                             sampling, stream, include_usage)
+                             sampling, stream, include_usage, _cache_salt(body))
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -315,11 +326,12 @@ def parse_chat_request(body: dict) -> GenerationRequest:
         _neutral("tool_choice", body["tool_choice"], ("none", "auto"), "no tool calling")
     if body.get("parallel_tool_calls") is not None:
         _bool("parallel_tool_calls", body["parallel_tool_calls"])
+    salt = _cache_salt(body)
     if max_tokens is None and max_completion is not None:
         return GenerationRequest("chat", model, [checked], max_completion,
-                                 "max_completion_tokens", sampling, stream, include_usage)
+                                 "max_completion_tokens", sampling, stream, include_usage, salt)
     return GenerationRequest("chat", model, [checked], max_tokens, "max_tokens", sampling,
-                             stream, include_usage)
+                             stream, include_usage, salt)
 
 
 def _message(i: int, message: Any) -> dict[str, str]:

@@ -173,6 +173,27 @@ def test_chat_applies_the_template(tiny_llm):
     assert outs[1].prompt_token_ids == apply_chat_template(tok, other)
 
 
+def test_cache_salt_in_vllm_prompt_dicts(tiny_llm):
+    """``{"prompt": ..., "cache_salt": ...}``: a prompt reuses cached blocks only from requests
+    with the same salt; a bad salt is refused before anything runs."""
+    text = "Salted: " + " ".join(PROMPTS[:3])  # longer than a KV block, sent only here
+    ids = tiny_llm.tokenizer.encode(text)
+    full = (len(ids) - 1) // LLM_KW["block_size"] * LLM_KW["block_size"]
+    assert full > 0
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    asks = [{"prompt": text, "cache_salt": "tenant-a"}, {"prompt": text, "cache_salt": "tenant-b"},
+            {"prompt_token_ids": ids, "cache_salt": "tenant-a"}, {"prompt": text}, text]
+    outs = [tiny_llm.generate(ask, sp, use_tqdm=False)[0] for ask in asks]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, full, 0, full]
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    for bad, says in ((5, "got int"), ("", "got an empty string")):
+        with pytest.raises(ValueError, match=f"cache_salt must be a non-empty string, {says}"):
+            tiny_llm.generate([text, {"prompt": text, "cache_salt": bad}], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="optionally 'cache_salt'; got keys"):
+        tiny_llm.generate({"prompt": text, "salt": "x"}, sp, use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
 def test_default_sampling_params_and_mismatched_lists(tiny_llm):
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
         tiny_llm.generate(PROMPTS[:3], [GREEDY, GREEDY], use_tqdm=False)

@@ -77,15 +77,15 @@ def test_follower_replays_requests_aborts_and_plans(engine_models):
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=16, temperature=0.9, ignore_eos=True)  # seeds replayed
     outputs = {"leader": {}, "follower": {}}
-    for i in range(5):
-        leader.add_request(str(i), rng.integers(3, 256, 12 + 9 * i).tolist(),
-                           greedy if i % 2 else sampled)
+    prompts = [rng.integers(3, 256, 12 + 9 * i).tolist() for i in range(5)]
+    for i, prompt in enumerate(prompts):
+        leader.add_request(str(i), prompt, greedy if i % 2 else sampled)
     steps = 0
     while leader.has_unfinished_requests():
         if steps == 3:
             leader.abort_request("4")
-        if steps == 5:
-            leader.add_request("late", rng.integers(3, 256, 20).tolist(), sampled)
+        if steps == 5:  # prompt 3's blocks are cached by now, but not under this salt
+            leader.add_request("late", prompts[3], sampled, cache_salt="tenant")
         for who, engine in (("leader", leader), ("follower", follower)):
             for out in engine.step():
                 if out.finished:
@@ -95,6 +95,7 @@ def test_follower_replays_requests_aborts_and_plans(engine_models):
     assert follow(follower) == 0 and not follower.has_unfinished_requests()
     assert outputs["follower"] == outputs["leader"] and len(outputs["leader"]) == 6
     assert outputs["leader"]["4"][1] == "abort"
+    assert follower.block_manager.stats == leader.block_manager.stats  # the salt was replayed
     # the follower drafted what the leader's policy chose, not what its own would have
     np.testing.assert_array_equal(follower.metrics.gamma_histogram,
                                   leader.metrics.gamma_histogram)

@@ -132,6 +132,37 @@ def test_a_kept_hash_chain_is_reused_not_recomputed():
     assert bm.match_prefix("c", tokens, [b"not this prefix"]) == [0, 0]  # taken as given
 
 
+def _salted(bm: BlockManager, rid: str, tokens: list[int], salt: str | None) -> list[int]:
+    """``_run`` for a request with prefix-cache salt ``salt``; returns its cached counts."""
+    cached = bm.match_prefix(rid, tokens, cache_salt=salt)
+    assert bm.allocate(rid, len(tokens))
+    bm.cache_blocks(rid, len(tokens) - 1, [0], lambda: tokens, cache_salt=salt)
+    return cached
+
+
+def test_cache_salt_separates_tenants():
+    """The same prompt under another salt (or with a salt against none) shares no block; the
+    same salt shares, and no salt shares with no salt."""
+    bm = _cached_bm(num_blocks=20)
+    tokens = list(range(9))  # two full blocks
+    assert _salted(bm, "a1", tokens, "tenant-a") == [0, 0]
+    assert _salted(bm, "b1", tokens, "tenant-b") == [0, 0]
+    assert _salted(bm, "none1", tokens, None) == [0, 0]
+    assert _salted(bm, "a2", tokens, "tenant-a") == [8, 0]
+    assert _salted(bm, "b2", tokens, "tenant-b") == [8, 0]
+    assert _salted(bm, "none2", tokens, None) == [8, 0]
+    for a, b in (("a1", "a2"), ("b1", "b2"), ("none1", "none2")):
+        assert bm.block_table(a)[:2] == bm.block_table(b)[:2]
+    assert len({tuple(bm.block_table(r)[:2]) for r in ("a1", "b1", "none1")}) == 3
+    assert bm.num_cached_blocks == 6
+    # the salt is in the first block's hash and the chain carries it: no later block matches
+    # across salts either, even one whose own tokens are the same
+    for rid in ("a1", "a2", "b1", "b2", "none1", "none2"):
+        bm.free(rid)
+    assert _salted(bm, "c", tokens, "tenant-c") == [0, 0]
+    bm.check_invariants()
+
+
 def test_rollback_may_not_release_a_cached_block():
     bm = _cached_bm()
     tokens = list(range(10))
@@ -448,6 +479,32 @@ def test_preempted_and_aborted_sharers(engine_models, conversation):
             assert done[str(i)].token_ids == r, f"prompt {i}"
     assert engine.metrics.prefix_cache.hits > 0
     assert engine.block_manager.num_used_blocks == 0
+    engine.block_manager.check_invariants()
+
+
+def test_cache_salt_in_the_engine(engine_models, conversation):
+    """Requests with the same prompt: hits only among those with the same salt, counted in
+    the prefix-cache metrics, and the output is the same whatever the cache hands out."""
+    from conftest import make_engine, run_to_completion
+
+    target, draft, _ = engine_models
+    system, first = conversation
+    prompt = first[0]
+    engine = make_engine(target, draft, policy_options=(("gamma", 3),))
+    salts = [None, "tenant-a", "tenant-b", "tenant-a", None, "tenant-b"]
+    outs = []
+    for i, salt in enumerate(salts):  # one at a time, so each finds the earlier ones cached
+        engine.add_request(str(i), prompt, _greedy(8), cache_salt=salt)
+        outs.append(run_to_completion(engine, [], _greedy(8))[str(i)])
+    full = (len(prompt) - 1) // 16 * 16
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, full, full, full]
+    assert engine.metrics.prefix_cache.hits == 3 * full
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string, got int"):
+        engine.add_request("bad", prompt, _greedy(8), cache_salt=5)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string, got an empty"):
+        engine.add_request("bad", prompt, _greedy(8), cache_salt="")
+    assert not engine.has_unfinished_requests()
     engine.block_manager.check_invariants()
 
 

@@ -287,6 +287,12 @@ ERROR_CASES = [
      "logprobs must be None or an integer >= 0"),
     ("chat-top-logprobs-alone", CHAT, _chat(top_logprobs=2), 400, "top_logprobs",
      "invalid_value", "top_logprobs needs logprobs: true"),
+    ("cache-salt-empty", COMPLETIONS, _body(cache_salt=""), 400, "cache_salt", "invalid_value",
+     "cache_salt must be a non-empty string, got an empty string"),
+    ("cache-salt-type", COMPLETIONS, _body(cache_salt=5), 400, "cache_salt", "invalid_type",
+     "cache_salt must be a string, got an integer"),
+    ("chat-cache-salt-type", CHAT, _chat(cache_salt=["a"]), 400, "cache_salt", "invalid_type",
+     "cache_salt must be a string, got an array"),
 ]
 
 
@@ -413,6 +419,31 @@ def test_prefix_cache_metrics_and_usage(server, client):
     assert m[f"vllm:prefix_cache_hits_total{{{engine}}}"] >= (n - 1) // block * block
     assert m["jspec_kv_blocks_cached"] == stats.kv_blocks_cached >= (n - 1) // block
     assert 0 < m["jspec_prefix_cache_hit_rate"] < 1
+
+
+def test_cache_salt_separates_tenants(server, client):
+    """``cache_salt`` in completion and chat bodies: a prompt hits the prefix cache only with
+    the salt it was cached under (no salt: only without one)."""
+    prompt = " ".join(reversed(PROMPTS * 2))  # longer than a KV block, sent by no other test
+    block = server.app.engine.limits.block_size
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                        temperature=0, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    n = len(server.app.engine.tokenizer.encode(prompt))
+    full = (n - 1) // block * block
+    assert full > 0
+    assert [cached(s) for s in (None, "tenant-a", "tenant-a", "tenant-b", None)] == \
+        [0, 0, full, 0, full]
+    chat = [{"role": "user", "content": prompt}]
+    hits = [client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=2, temperature=0,
+        extra_body={"cache_salt": salt}).usage.prompt_tokens_details.cached_tokens
+        for salt in ("tenant-c", "tenant-c")]
+    assert hits[0] == 0 and hits[1] > 0
 
 
 def test_step_metrics_come_from_every_step(server, client):
