@@ -199,7 +199,10 @@ class LLM:
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
     ``enable_prefix_caching``, ``async_scheduling``, ``dtype``, ``seed``, ``policy_options``, ``warmup``,
-    ``tensor_parallel_size``) are those of ``EngineConfig``.
+    ``tensor_parallel_size``) are those of ``EngineConfig``. The warm-up compiles every shape
+    bucket of these options (or loads them from the compilation cache) with a progress bar on
+    stderr, which ``use_tqdm=False`` turns off; after it no prompt count, prompt length or
+    sampling option compiles anything.
     """
 
     def __init__(self, target: str | os.PathLike | None = None,
@@ -208,12 +211,18 @@ class LLM:
                  num_speculative_tokens: int | None = None, dtype: str = "auto",
                  tokenizer: str | os.PathLike | None = None,
                  model: str | os.PathLike | None = None,
-                 speculative_config: dict | None = None, **engine_kwargs: Any):
+                 speculative_config: dict | None = None, use_tqdm: bool = True,
+                 **engine_kwargs: Any):
+        from jspec.warmup import warmup
+
         target, draft, num_speculative_tokens = _from_vllm_spelling(
             target, draft, model, speculative_config, num_speculative_tokens)
+        warm = engine_kwargs.pop("warmup", EngineConfig.warmup)
         self.engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy,
                                    num_speculative_tokens=num_speculative_tokens, dtype=dtype,
-                                   **engine_kwargs)
+                                   warmup=False, **engine_kwargs)
+        if warm:
+            warmup(self.engine, progress=use_tqdm)
         self._ids = itertools.count()
 
     @property
