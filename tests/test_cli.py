@@ -148,6 +148,9 @@ def test_target_without_draft_is_plain_decoding(capsys, tiny_pair):
                              "dsde, heuristic, nightjar, off, specrouter, static, ucb"),
     (["--policy-option", "gamma"], "--policy-option expects KEY=VALUE, got 'gamma'"),
     (["--policy-option", "gamma=99"], "gamma must be in [0, max_gamma=7], got 99"),
+    (["--policy-option", "gama=2"], "unknown option 'gama' for policy 'static'; did you mean "
+                                    "'gamma'? (its options are gamma, chain)"),
+    (["--prompt", "Hello", "--max-tokens", "500"], "max_tokens=500 is too large: the prompt has "),
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "word " * 200], "max_model_len is 128"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "cannot read --prompts-file"),
@@ -178,6 +181,9 @@ def test_bad_model_arguments(capsys, tiny_pair, tmp_path):
     assert "error: draft vocabulary (520 tokens) differs from the target's (512)" in err
     code, _, err = run_cli(capsys, "--target", str(tmp_path / "missing"), "--no-progress")
     assert code == 2 and "does not exist" in err
+    code, _, err = run_cli(capsys, "--target", f"{target}/config.json", "--no-progress")
+    assert code == 2 and (f"error: expected a checkpoint directory, but '{target}/config.json' "
+                          f"is a file; pass its directory '{target}'") in err
 
 
 def test_argparse_errors_exit_2(capsys):
