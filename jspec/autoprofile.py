@@ -163,7 +163,9 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     catch_up = np.zeros((len(CATCH_UP_LENS), len(batch_sizes)))
     rng = np.random.default_rng(0)
     vocab = engine.target.cfg.vocab_size
-    sp = SamplingParams(max_tokens=rc.max_model_len, temperature=0.0, ignore_eos=True, seed=0)
+    # as long as the context allows: fresh() replaces the sequences before they get there
+    sp = SamplingParams(max_tokens=engine.limits.context_limit - context, temperature=0.0,
+                        ignore_eos=True, seed=0)
     ids: list[str] = []
     serial = 0
     # One prompt per row, drawn once: a replacement sequence starts with the prompt of the one

@@ -1,18 +1,17 @@
 """Command-line pieces shared by the commands that build an engine (`jspec generate`, `jspec
 serve`): the model, speculation and engine argument groups, their checks, and the compile
-warm-up with a progress bar. Nothing here imports JAX at module import, so `jspec --help` stays
-fast."""
+warm-up with a progress bar (``jspec.warmup``). Nothing here imports JAX at module import, so
+`jspec --help` stays fast."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from typing import Any, Callable
+from typing import Any
 
 # EngineConfig fields that map one-to-one onto `--flag` options; unset flags keep the config's
-# default (or the value a command derives itself, like generate's max_num_seqs).
-ENGINE_OPTION_FIELDS = ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+# default.
+ENGINE_OPTION_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                         "min_token_bucket", "kernel_backend", "elastic_memory",
                         "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout",
                         "tensor_parallel_size", "max_logprobs", "enable_prefix_caching",
@@ -198,33 +197,3 @@ def describe_models(args: argparse.Namespace) -> None:
         print(f"using {describe_default_pair()}{extra}", file=sys.stderr)
     elif args.draft is None:
         print("no --draft: plain autoregressive decoding", file=sys.stderr)
-
-
-class WarmupCancelled(Exception):
-    """Raised between two shape buckets when a warm-up is asked to stop (a server told to shut
-    down while it compiles: one XLA compilation cannot be interrupted, but the next need not
-    start)."""
-
-
-def warmup(engine, progress: bool, should_stop: Callable[[], bool] | None = None) -> None:
-    """Compile every shape bucket of an LLMEngine, with a progress bar on stderr; then give a
-    cost-model policy its step-time profile (``LLMEngine.ensure_profile``)."""
-    from tqdm.auto import tqdm
-
-    start = time.perf_counter()
-    bar = tqdm(desc="compile", unit="bucket", disable=not progress, leave=False)
-
-    def step(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-        if should_stop is not None and done < total and should_stop():
-            raise WarmupCancelled(f"warm-up stopped after {done} of {total} shape buckets")
-
-    try:
-        n = engine.warmup(step)
-    finally:
-        bar.close()
-    if progress:
-        print(f"compiled {n} shape buckets in {time.perf_counter() - start:.1f} s",
-              file=sys.stderr)
-    engine.ensure_profile()  # a cost-model policy's profile, timed on compiled steps

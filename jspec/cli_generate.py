@@ -18,7 +18,8 @@ import time
 from jspec import distributed
 from jspec.cli_common import (add_engine_arguments, add_model_arguments,
                               add_speculation_arguments, check_model_arguments,
-                              describe_models, engine_kwargs, join_processes, warmup)
+                              describe_models, engine_kwargs, join_processes)
+from jspec.warmup import warmup
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="keep generating past the end-of-sequence token")
 
     add_engine_arguments(parser, max_num_seqs_help=(
-        "sequences per step (default: the number of prompts, at most 16; fewer rows mean fewer "
-        "shape buckets to compile)"))
+        "sequences per step; more prompts wait for a slot (default: 16, as in jspec serve, so "
+        "both load the same compiled shape buckets)"))
     distributed.add_arguments(parser)
 
 
@@ -115,14 +116,14 @@ def run(args: argparse.Namespace) -> int:
 
     progress = not args.no_progress
     describe_models(args)
-    # an offline run never needs more rows than prompts, and fewer rows compile fewer buckets
-    max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else min(16, len(prompts))
-    # its requests never ask for logprobs: compile nothing for them unless told
+    # The engine's shapes come from its options alone, never from the prompts, so a run with
+    # any number of prompts loads the executables an earlier run of the same models and options
+    # compiled (XLA's persistent compilation cache). Its requests never ask for logprobs:
+    # compile nothing for them unless told.
     options = {"max_logprobs": 0, **engine_kwargs(args)}
     llm = LLM(target=args.target, draft=args.draft, tokenizer=args.tokenizer, policy=args.policy,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
-              max_num_seqs=max_num_seqs, policy_options=policy_options, warmup=False,
-              **options)
+              policy_options=policy_options, warmup=False, **options)
     for prompt in prompts:  # lengths against the context, before the warm-up
         llm.engine.validate_request(prompt, sampling_params)
     if args.policy_state and os.path.exists(args.policy_state):

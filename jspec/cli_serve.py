@@ -21,7 +21,8 @@ import sys
 from jspec import distributed
 from jspec.cli_common import (add_engine_arguments, add_model_arguments,
                               add_speculation_arguments, check_model_arguments,
-                              describe_models, engine_kwargs, join_processes, warmup)
+                              describe_models, engine_kwargs, join_processes)
+from jspec.warmup import warmup
 
 DEFAULT_MODEL_NAME = "jspec-default"
 
@@ -134,8 +135,6 @@ def run(args: argparse.Namespace) -> int:
                               policy=args.policy,
                               num_speculative_tokens=args.num_speculative_tokens,
                               dtype=args.dtype, policy_options=policy_options, warmup=False,
-                              **({"max_num_seqs": args.max_num_seqs}
-                                 if args.max_num_seqs is not None else {}),
                               **engine_kwargs(args))
         if args.policy_state and os.path.exists(args.policy_state):
             engine.load_policy_state(args.policy_state)

@@ -27,6 +27,7 @@ from jspec.jsonfile import read_json
 from jspec.metrics import EngineMetrics
 from jspec.outputs import Logprob, RequestOutput, SpecStats
 from jspec.platform import device_free_bytes
+from jspec.request_checks import check_prompt
 from jspec.runner import LoadedModel, ModelRunner
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler import Scheduler, SchedulerConfig
@@ -44,7 +45,7 @@ class _Request:
     seq: Sequence
     prompt: str | None
     detok: IncrementalDetokenizer
-    max_tokens: int  # max_tokens clipped to what max_model_len leaves
+    max_tokens: int  # the request's, which validate_request checked fits in the context
     arrival_time: float
     text_end: int | None = None  # text cut at a stop string
     finish_time: float | None = None
@@ -263,35 +264,29 @@ class LLMEngine:
     def validate_request(self, prompt: str | list[int], sampling_params: SamplingParams,
                          cache_salt: str | None = None) -> list[int]:
         """Tokenize and check a request; raise ValueError naming the problem before anything
-        runs."""
+        runs (the server's checks are these same ones: ``jspec.request_checks``,
+        ``EngineLimits``)."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(sampling_params).__name__}")
         check_cache_salt(cache_salt)
+        prompt = check_prompt(prompt)
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
             token_ids = list(self.tokenizer.encode(prompt))
+            if not token_ids:
+                raise ValueError("prompt is empty")
         else:
-            token_ids = [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError("prompt is empty")
+            token_ids = prompt
         vocab = self.target.cfg.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if sampling_params.logprobs is not None:
             self._check_logprobs(sampling_params.logprobs)
-        limit = self.rc.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, max_model_len is {limit} "
-                             f"(at least one token must remain for the output)")
-        capacity = self.block_manager.num_base_usable_blocks * self.config.block_size
-        if len(token_ids) + 1 > capacity:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but the KV cache holds only "
-                             f"{capacity} token slots")
+        self.limits.check_prompt_length(len(token_ids))
+        self.limits.check_max_tokens(len(token_ids), sampling_params.max_tokens)
         return token_ids
 
     def _check_logprobs(self, k: int) -> None:
@@ -321,12 +316,9 @@ class LLMEngine:
                        sampling_params=sampling_params, arrival_index=next(self._arrivals),
                        arrival_time=now, seed=seed, cache_salt=cache_salt,
                        draft_computed=[0] * max(1, len(self.runner.pool)))
-        capacity = self.block_manager.num_base_usable_blocks * self.config.block_size
-        max_tokens = min(sampling_params.max_tokens, self.rc.max_model_len - len(token_ids),
-                         capacity - len(token_ids))
         self._requests[request_id] = _Request(
             seq=seq, prompt=prompt if isinstance(prompt, str) else None,
-            detok=IncrementalDetokenizer(self.tokenizer), max_tokens=max_tokens,
+            detok=IncrementalDetokenizer(self.tokenizer), max_tokens=sampling_params.max_tokens,
             arrival_time=now, logprobs=None if sampling_params.logprobs is None else [])
         self.scheduler.add(seq)
         if self.sync is not None and self.sync.leader:

@@ -21,8 +21,8 @@ class EngineLimits:
     max_model_len: int  # tokens one sequence may hold (prompt + output), from the config
     kv_capacity_tokens: int  # token slots in the whole KV cache (usable blocks × block_size)
     # tokens one sequence may really hold: min(max_model_len, kv_capacity_tokens). A prompt may
-    # have at most context_limit - 1 tokens (LLMEngine.validate_request), and a request's
-    # output is clipped so prompt + output stays within it
+    # have at most context_limit - 1 tokens and prompt + max_tokens at most context_limit
+    # (check_prompt_length, check_max_tokens)
     context_limit: int
     max_num_seqs: int  # sequences in one step: the most requests that run at once
     max_num_batched_tokens: int  # target tokens one step may process
@@ -44,6 +44,30 @@ class EngineLimits:
     def max_prompt_tokens(self) -> int:
         """The longest prompt a request may have (one token must remain for the output)."""
         return self.context_limit - 1
+
+    def _context(self) -> str:
+        """What bounds a sequence, in words: max_model_len, or the KV cache when it is smaller."""
+        if self.context_limit == self.max_model_len:
+            return f"max_model_len is {self.max_model_len}"
+        return (f"the KV cache holds {self.kv_capacity_tokens} token slots (max_model_len "
+                f"{self.max_model_len})")
+
+    def check_prompt_length(self, num_tokens: int, what: str = "prompt") -> None:
+        """A ValueError when a prompt of ``num_tokens`` tokens leaves no room for one output
+        token; the engine's and the server's check (``what`` names the prompt)."""
+        if num_tokens >= self.context_limit:
+            raise ValueError(f"{what} has {num_tokens} tokens, {self._context()} (at least one "
+                             f"token must remain for the output)")
+
+    def check_max_tokens(self, prompt_tokens: int, max_tokens: int,
+                         param: str = "max_tokens") -> None:
+        """A ValueError when ``max_tokens`` (asked for by ``param``) more tokens do not fit after
+        a prompt of ``prompt_tokens``; the engine's and the server's check, so the Python API,
+        the CLI and a 400 refuse with the same words rather than one of them truncating."""
+        if prompt_tokens + max_tokens > self.context_limit:
+            raise ValueError(f"{param}={max_tokens} is too large: the prompt has "
+                             f"{prompt_tokens} tokens and {self._context()}, so at most "
+                             f"{self.context_limit - prompt_tokens} can be generated")
 
     def check_logprobs(self, k: int, param: str = "logprobs") -> None:
         """A ValueError naming the fix when a request's ``k`` top log-probabilities (asked for

@@ -9,6 +9,7 @@ from typing import Any, Sequence as Seq
 
 from jspec.config import EngineConfig
 from jspec.outputs import RequestOutput
+from jspec.request_checks import check_messages, is_token_id, render_chat, type_error
 from jspec.sampling_params import SamplingParams
 
 
@@ -142,6 +143,7 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         elif len(draft) == 1:
             draft = draft[0]
         else:
+            draft = list(draft)
             names = names or _pool_names(draft)
     # an explicit bfloat16 on a CPU backend started without jspec.platform's flag: warn once
     # ("auto" resolves to float32 there)
@@ -159,7 +161,54 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         draft_model = draft if draft is None or isinstance(draft, LoadedModel) else load_model(
             draft, dtype, "draft")
     tok = load_tokenizer(tokenizer or target)
+    drafts = draft_model if isinstance(draft_model, list) else [draft_model]
+    paths = draft if isinstance(draft, list) else [draft]
+    for path, model in zip(paths, drafts):
+        if model is not None and not isinstance(path, LoadedModel):
+            which = "draft" if len(drafts) == 1 else f"draft {model.name!r}"
+            check_same_vocabulary(tok, target_model, path, model, which)
     return LLMEngine(target_model, draft_model, config, tokenizer=tok, policy=policy_obj)
+
+
+def check_same_vocabulary(tokenizer, target, path: str | os.PathLike, draft, which: str
+                          ) -> None:
+    """A draft must map every token to the same id as the target: equal vocabulary sizes are
+    not enough (a draft whose tokenizer swaps two entries proposes other tokens than it means,
+    and the target rejects them: output stays the target's, speculation just stops paying,
+    silently). Compared by content, token -> id, against the draft directory's own tokenizer
+    files; a directory without them can only be compared by size (``LLMEngine`` does that)."""
+    from models.loader import has_tokenizer, load_tokenizer
+
+    if draft.cfg.vocab_size != target.cfg.vocab_size or not has_tokenizer(path):
+        return  # the engine refuses other sizes, naming both
+    ours, theirs = tokenizer.get_vocab(), load_tokenizer(path).get_vocab()
+    if ours == theirs:
+        return
+    missing = float("inf")
+    differing = (t for t in set(ours) | set(theirs) if ours.get(t) != theirs.get(t))
+    token = min(differing, key=lambda t: (min(ours.get(t, missing), theirs.get(t, missing)), t))
+    where = {name: (f"id {vocab[token]}" if token in vocab else "absent")
+             for name, vocab in (("target", ours), ("draft", theirs))}
+    raise ValueError(f"{which} vocabulary differs from the target's: token {token!r} is "
+                     f"{where['target']} in the target's tokenizer and {where['draft']} in the "
+                     f"tokenizer of {which} ({os.fspath(path)!r}); speculative decoding needs "
+                     f"the same tokenizer")
+
+
+_PROMPT_FORMS = ("a string, a list of token ids, a {'prompt': text} or {'prompt_token_ids': ids} "
+                 "dict, or a list of those")
+
+
+def _prompt_list(prompts) -> tuple[list, bool]:
+    """([(prompt as the engine takes it, its cache salt)], whether a list of prompts was
+    given) from everything ``LLM.generate`` accepts; each prompt's own checks are the
+    engine's."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and is_token_id(prompts[0])):
+        return [_prompt_of(prompts)], False
+    if not isinstance(prompts, (list, tuple)):
+        raise type_error("prompts", _PROMPT_FORMS, prompts)
+    return [_prompt_of(p) for p in prompts], True
 
 
 def _prompt_of(prompt):
@@ -201,7 +250,10 @@ class LLM:
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
     ``enable_prefix_caching``, ``async_scheduling``, ``deterministic``, ``dtype``, ``seed``, ``policy_options``, ``warmup``,
-    ``tensor_parallel_size``) are those of ``EngineConfig``.
+    ``tensor_parallel_size``) are those of ``EngineConfig``. The warm-up compiles every shape
+    bucket of these options (or loads them from the compilation cache) with a progress bar on
+    stderr, which ``use_tqdm=False`` turns off; after it no prompt count, prompt length or
+    sampling option compiles anything.
     """
 
     def __init__(self, target: str | os.PathLike | None = None,
@@ -210,12 +262,18 @@ class LLM:
                  num_speculative_tokens: int | None = None, dtype: str = "auto",
                  tokenizer: str | os.PathLike | None = None,
                  model: str | os.PathLike | None = None,
-                 speculative_config: dict | None = None, **engine_kwargs: Any):
+                 speculative_config: dict | None = None, use_tqdm: bool = True,
+                 **engine_kwargs: Any):
+        from jspec.warmup import warmup
+
         target, draft, num_speculative_tokens = _from_vllm_spelling(
             target, draft, model, speculative_config, num_speculative_tokens)
+        warm = engine_kwargs.pop("warmup", EngineConfig.warmup)
         self.engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy,
                                    num_speculative_tokens=num_speculative_tokens, dtype=dtype,
-                                   **engine_kwargs)
+                                   warmup=False, **engine_kwargs)
+        if warm:
+            warmup(self.engine, progress=use_tqdm)
         self._ids = itertools.count()
 
     @property
@@ -232,11 +290,38 @@ class LLM:
         """Generate for each prompt (text, token ids, or as vLLM takes them
         ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``, either with an optional
         ``"cache_salt"``: see ``LLMEngine.add_request``); outputs come back in prompt order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        pairs = [_prompt_of(p) for p in prompts]
-        prompts, salts = [p for p, _ in pairs], [salt for _, salt in pairs]
+        pairs, batch = _prompt_list(prompts)
+        names = [f"prompts[{i}]: " if batch else "" for i in range(len(pairs))]
+        return self._submit([p for p, _ in pairs], names, sampling_params, use_tqdm,
+                            [salt for _, salt in pairs])
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of ``{"role",
+        "content"}`` messages) or a list of them. Messages are checked and rendered as the
+        server does (``jspec.request_checks``: roles, content, text parts, the template)."""
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(conv, (list, tuple)) for conv in messages)
+        conversations = list(messages) if batch else [messages]
+        prompts, names = [], []
+        for i, conv in enumerate(conversations):
+            param = f"messages[{i}]" if batch else "messages"
+            ids = render_chat(self.tokenizer, check_messages(conv, param), param)
+            try:
+                self.engine.limits.check_prompt_length(
+                    len(ids), "the conversation rendered with the chat template")
+            except ValueError as e:
+                raise ValueError(f"{param}: {e}") from None
+            prompts.append(ids)
+            names.append(f"{param}: ")
+        return self._submit(prompts, names, sampling_params, use_tqdm, [None] * len(prompts))
+
+    def _submit(self, prompts: list, names: list[str],
+                sampling_params: SamplingParams | Seq[SamplingParams] | None,
+                use_tqdm: bool, salts: list[str | None]) -> list[RequestOutput]:
+        """Validate every request (its errors prefixed with its name in ``names``; ``salts``:
+        their cache salts), then run them all."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -250,22 +335,17 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} "
                                  f"prompts")
         # validate everything before anything runs
-        for prompt, sp, salt in zip(prompts, params_list, salts):
-            self.engine.validate_request(prompt, sp, salt)
+        for name, prompt, sp, salt in zip(names, prompts, params_list, salts):
+            try:
+                self.engine.validate_request(prompt, sp, salt)
+            except ValueError as e:
+                if not name:
+                    raise
+                raise ValueError(f"{name}{e}") from None
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, prompt, sp, salt in zip(ids, prompts, params_list, salts):
             self.engine.add_request(rid, prompt, sp, cache_salt=salt)
         return self._run(ids, use_tqdm)
-
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
-        from models.loader import apply_chat_template
-
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _progress(self, out_tokens: int, start: tuple[float, int, int]) -> dict[str, str]:
         """Throughput and acceptance since ``start`` (step time, drafted, accepted)."""

@@ -47,8 +47,27 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def compile_events() -> int:
-    """XLA backend compilations so far in this process (ours and anyone else's)."""
+    """XLA backend compilations so far in this process (ours and anyone else's), counting the
+    executables loaded from the persistent compilation cache too (``cache_loads``): JAX reports
+    both as the same event."""
     return _backend_compiles[0]
+
+
+_cache_loads = [0]
+
+
+def _on_cache_event(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _cache_loads[0] += 1
+
+
+jax.monitoring.register_event_listener(_on_cache_event)
+
+
+def cache_loads() -> int:
+    """Executables loaded from XLA's persistent compilation cache so far in this process
+    (instead of compiled: ``enable_persistent_compilation_cache``)."""
+    return _cache_loads[0]
 
 
 # Process-wide executables, least recently used first. Bounded: each XLA:CPU executable maps

@@ -41,16 +41,21 @@ def prefix_prompts(windows: np.ndarray, count: int, min_len: int = 16, max_len: 
 def generate_sequences(target: str, prompts: list, max_tokens: int, *, max_num_seqs: int = 64,
                        progress: bool = True) -> list[np.ndarray]:
     """Greedy target-only completions of ``prompts`` (strings or token-id lists) through the
-    engine; returns prompt + completion token ids per prompt (int32)."""
+    engine, each at most ``max_tokens`` long and shorter where the context leaves less;
+    returns prompt + completion token ids per prompt (int32)."""
     from jspec.llm import LLM
     from jspec.sampling_params import SamplingParams
 
-    llm = LLM(target=target, draft=None, policy="off", max_num_seqs=max_num_seqs)
+    llm = LLM(target=target, draft=None, policy="off", max_num_seqs=max_num_seqs,
+              use_tqdm=progress)
     tok = llm.tokenizer
     ids = [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
            for p in prompts]
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    outs = llm.generate(ids, sp, use_tqdm=progress)
+    limit = llm.engine.limits.context_limit
+    # (a prompt that leaves no room at all is refused, naming its length)
+    params = [SamplingParams(max_tokens=max(1, min(max_tokens, limit - len(p))), temperature=0.0)
+              for p in ids]
+    outs = llm.generate(ids, params, use_tqdm=progress)
     return [np.asarray(list(p) + list(o.token_ids), dtype=np.int32) for p, o in zip(ids, outs)]
 
 

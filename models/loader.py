@@ -168,6 +168,19 @@ def _read_index(index_file: str) -> dict[str, str]:
     return weight_map
 
 
+def require_directory(path: str | os.PathLike, what: str) -> str:
+    """``path`` as a string if it is a directory; else a ValueError that says what was expected
+    and, for a file (a checkpoint's config.json, say), which directory to pass instead."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        raise ValueError(f"expected a {what}, but {path!r} is a file; pass its directory "
+                         f"{parent!r}")
+    raise ValueError(f"{what} {path!r} does not exist")
+
+
 def load_checkpoint(path: str | os.PathLike, dtype=jnp.bfloat16, on_host: bool = False
                     ) -> tuple[ModelConfig, dict]:
     """Read an HF checkpoint directory into (config, runtime params as jnp arrays of ``dtype``).
@@ -177,9 +190,7 @@ def load_checkpoint(path: str | os.PathLike, dtype=jnp.bfloat16, on_host: bool =
     Tensors not used by the architecture (e.g. ``rotary_emb.inv_freq``) are ignored; a redundant
     ``lm_head.weight`` in a tied checkpoint is ignored too (the head is the embedding, as in HF).
     """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint directory {path!r} does not exist")
+    path = require_directory(path, "checkpoint directory")
     config_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_file):
         raise ValueError(f"no {CONFIG_FILE} in checkpoint directory {path!r}")
@@ -363,12 +374,15 @@ def iter_checkpoint_files(path: str | os.PathLike) -> Iterator[str]:
 
 
 # ----------------------------------------------------------------------------- tokenizer
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether the directory ``path`` holds tokenizer files."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str | os.PathLike):
     """``AutoTokenizer.from_pretrained(path)`` (offline), with a clear error when there is none."""
-    path = os.fspath(path)
-    if not os.path.isdir(path) or not any(
-        os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES
-    ):
+    path = require_directory(path, "tokenizer directory")
+    if not has_tokenizer(path):
         raise ValueError(
             f"no tokenizer in {path!r}: expected one of {', '.join(_TOKENIZER_FILES)}"
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
 
 from policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
@@ -23,7 +25,7 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, max_gamma: int, **options: Any) -> Policy:
+def make_policy(name: str, max_gamma: int, /, **options: Any) -> Policy:
     """Build a policy by name. ``max_gamma`` is the engine's Γmax (num_speculative_tokens)."""
     try:
         cls = POLICIES[name]
@@ -31,11 +33,37 @@ def make_policy(name: str, max_gamma: int, **options: Any) -> Policy:
         raise ValueError(
             f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}"
         ) from None
+    check_options(name, options)
     try:
         return cls(max_gamma=max_gamma, **options)
-    except TypeError as e:
-        raise ValueError(f"bad options for policy {name!r}: {e}") from None
+    except TypeError as e:  # an option value of a type the policy cannot use
+        raise ValueError(f"bad option value for policy {name!r}: {e}") from None
+
+
+def policy_options(name: str) -> tuple[str, ...]:
+    """The options policy ``name`` takes: its constructor's keywords besides ``max_gamma``
+    (which is the engine's num_speculative_tokens)."""
+    parameters = inspect.signature(POLICIES[name]).parameters.values()
+    return tuple(p.name for p in parameters if p.name != "max_gamma"
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """A ValueError naming an option policy ``name`` does not take, the options it does take,
+    and the nearest one when the name looks misspelt."""
+    accepted = policy_options(name)
+    for key in options:
+        if key in accepted:
+            continue
+        if key == "max_gamma":
+            raise ValueError(f"max_gamma is not an option of policy {name!r}: the engine's "
+                             f"num_speculative_tokens (--num-speculative-tokens) sets it")
+        close = difflib.get_close_matches(key, accepted, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        takes = (f"its options are {', '.join(accepted)}" if accepted
+                 else "it takes no options")
+        raise ValueError(f"unknown option {key!r} for policy {name!r}{hint} ({takes})")
 
 
 __all__ = ["BatchView", "DraftPlan", "DraftStats", "Policy", "StepOutcome", "POLICIES",
-           "make_policy"]
+           "make_policy", "policy_options"]

@@ -291,18 +291,12 @@ class OpenAIApp:
         tokenizer = engine.tokenizer
         if req.kind == "chat":
             field = "messages"
-            from models.loader import apply_chat_template
+            from jspec.request_checks import RequestError, render_chat
 
-            if tokenizer is None:
-                raise invalid(field, "this server has no tokenizer, so it cannot apply a chat "
-                                     "template; use /v1/completions with token ids")
-            try:
-                ids = apply_chat_template(tokenizer, prompt)
-            except ValueError as e:  # no chat template
-                raise invalid(field, str(e)) from None
-            except Exception as e:  # the template itself refused (jinja raise_exception)
-                raise invalid(field, f"the chat template cannot render these messages: "
-                                     f"{e}") from None
+            try:  # rendered as LLM.chat renders it
+                ids = render_chat(tokenizer, prompt)
+            except RequestError as e:
+                raise invalid(e.param, str(e), e.code) from None
         else:
             field = "prompt"
             if isinstance(prompt, str):
@@ -312,13 +306,12 @@ class OpenAIApp:
                 ids = list(tokenizer.encode(prompt))
             else:
                 ids = list(prompt)
-        limit = self._context_limit()
-        if len(ids) >= limit:
-            what = "the conversation rendered with the chat template" if field == "messages" \
-                else "the prompt"
-            raise invalid(field, f"{field}: {what} has {len(ids)} tokens, but this model's "
-                                 f"context holds {limit} tokens and at least one must remain "
-                                 f"for the output", "context_length_exceeded")
+        what = "the conversation rendered with the chat template" if field == "messages" \
+            else "prompt"
+        try:  # the engine's own check and words
+            engine.limits.check_prompt_length(len(ids), what)
+        except ValueError as e:
+            raise invalid(field, str(e), "context_length_exceeded") from None
         try:  # the remaining checks (empty prompt, token ids outside the vocabulary)
             engine.validate_request(ids, sampling_params(req, 1))
         except ValueError as e:
@@ -341,13 +334,12 @@ class OpenAIApp:
             # OpenAI's defaults: 16 for completions, the rest of the context for chat
             max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, available) \
                 if req.kind == "completion" else available
-        elif req.max_tokens > available:
-            name = req.max_tokens_param
-            raise invalid(name, f"{name}={req.max_tokens} is too large: the prompt has "
-                                f"{prompt_len} tokens and the context holds "
-                                f"{self._context_limit()}, so at most {available} can be "
-                                f"generated", "context_length_exceeded")
         else:
+            name = req.max_tokens_param
+            try:  # the engine's own check and words
+                self.engine.limits.check_max_tokens(prompt_len, req.max_tokens, name)
+            except ValueError as e:
+                raise invalid(name, str(e), "context_length_exceeded") from None
             max_tokens = req.max_tokens
         return sampling_params(req, max_tokens)
 

@@ -4,8 +4,9 @@ response / stream-chunk / error bodies.
 Every rejection is an ``APIError`` that becomes an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}``; the message names the offending field and
 ``param`` holds its name, so a client can point at the field without parsing prose. Range rules
-for sampling parameters live in one place, ``jspec.SamplingParams``; this module only checks
-JSON types and which fields exist, then maps SamplingParams' ValueError back to its field.
+for sampling parameters live in one place, ``jspec.SamplingParams``, and the checks of chat
+messages and prompts in another, ``jspec.request_checks``, both shared with the Python API; this
+module checks JSON types and which fields exist, then maps their ValueErrors back to the field.
 
 Unknown fields are refused (as OpenAI does): a misspelt ``max_token`` silently running with the
 default would be worse than a 400. Known OpenAI fields that the engine cannot honour are accepted
@@ -24,6 +25,7 @@ import math
 import time
 from typing import Any
 
+from jspec.request_checks import RequestError, check_messages, type_error, type_name
 from jspec.sampling_params import SamplingParams
 
 
@@ -54,6 +56,11 @@ def invalid(param: str | None, message: str, code: str = "invalid_value") -> API
     return APIError(400, message, param=param, code=code)
 
 
+def from_request_error(e: RequestError) -> APIError:
+    """The 400 for a check shared with the Python API (``jspec.request_checks``)."""
+    return invalid(e.param, str(e), e.code)
+
+
 # ----------------------------------------------------------------------------- body parsing
 def parse_json_body(raw: bytes) -> dict:
     if not raw.strip():
@@ -67,29 +74,12 @@ def parse_json_body(raw: bytes) -> dict:
                             f"column {e.colno}", "invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(None, f"the request body must be a JSON object, got "
-                            f"{_json_type(body)}", "invalid_json")
+                            f"{type_name(body)}", "invalid_json")
     return body
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
 def _type_error(name: str, expected: str, value: Any) -> APIError:
-    return invalid(name, f"{name} must be {expected}, got {_json_type(value)} "
-                         f"({json.dumps(value)[:80]})", "invalid_type")
+    return from_request_error(type_error(name, expected, value))
 
 
 def _int(name: str, value: Any) -> int:
@@ -137,7 +127,6 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", 
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs",
                                  "top_logprobs", "response_format", "tools", "tool_choice",
                                  "parallel_tool_calls"}
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclasses.dataclass
@@ -290,12 +279,10 @@ def _prompts(prompt: Any) -> list:
 def parse_chat_request(body: dict) -> GenerationRequest:
     _check_fields(body, _CHAT_FIELDS)
     model, sampling, stream, include_usage = _common(body)
-    messages = _required(body, "messages")
-    if not isinstance(messages, list):
-        raise _type_error("messages", "an array of message objects", messages)
-    if not messages:
-        raise invalid("messages", "messages is empty; give at least one message")
-    checked = [_message(i, m) for i, m in enumerate(messages)]
+    try:  # the same check as LLM.chat's
+        checked = check_messages(_required(body, "messages"))
+    except RequestError as e:
+        raise from_request_error(e) from None
     max_tokens = _max_tokens("max_tokens", body.get("max_tokens"))
     max_completion = _max_tokens("max_completion_tokens", body.get("max_completion_tokens"))
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -332,40 +319,6 @@ def parse_chat_request(body: dict) -> GenerationRequest:
                                  "max_completion_tokens", sampling, stream, include_usage, salt)
     return GenerationRequest("chat", model, [checked], max_tokens, "max_tokens", sampling,
                              stream, include_usage, salt)
-
-
-def _message(i: int, message: Any) -> dict[str, str]:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise _type_error(where, "an object with 'role' and 'content'", message)
-    role = message.get("role")
-    if role is None:
-        raise invalid(f"{where}.role", f"missing required field '{where}.role'",
-                      "missing_required_parameter")
-    role = _str(f"{where}.role", role)
-    if role not in _CHAT_ROLES:
-        raise invalid(f"{where}.role", f"{where}.role must be one of "
-                                       f"{', '.join(_CHAT_ROLES)}; got {role!r}")
-    if "content" not in message:
-        raise invalid(f"{where}.content", f"missing required field '{where}.content'",
-                      "missing_required_parameter")
-    content = message["content"]
-    if isinstance(content, list):  # content parts: only text parts exist for a text model
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise invalid(f"{where}.content[{j}]",
-                              f"{where}.content[{j}] must be a text part "
-                              f"{{\"type\": \"text\", \"text\": ...}}; this model reads text "
-                              f"only", "invalid_type")
-            texts.append(part["text"])
-        content = "".join(texts)
-    elif content is None and role == "assistant":
-        content = ""
-    elif not isinstance(content, str):
-        raise _type_error(f"{where}.content", "a string or an array of text parts", content)
-    return {"role": role, "content": content}
 
 
 def sampling_params(request: GenerationRequest, max_tokens: int) -> SamplingParams:

@@ -3,6 +3,7 @@ pair (the tiny pair, with the shared LLM_KW engine shapes)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -151,6 +152,42 @@ def test_progress_bar_can_be_disabled(tiny_llm, capsys):
     assert capsys.readouterr().err == ""
     tiny_llm.generate(PROMPTS[:2], params, use_tqdm=True)
     assert "generate" in capsys.readouterr().err
+
+
+def test_no_prompt_count_compiles_after_the_warmup(tiny_llm):
+    """The shapes come from the engine's options, not from the prompts: after the warm-up,
+    batches of 1, 2, 3, 5 and 8 prompts (text and token ids, short and chunked, greedy and
+    sampled) compile nothing."""
+    from jspec.runner import compile_events
+
+    before = compile_events()
+    for n in (1, 2, 3, 5, 8):
+        prompts = [PROMPTS[i % len(PROMPTS)] if i % 2 else [3 + i] * (7 + 29 * i % 90)
+                   for i in range(n)]
+        params = [SamplingParams(max_tokens=2 + i, temperature=0.8 * (i % 2), seed=i,
+                                 ignore_eos=True) for i in range(n)]
+        outs = tiny_llm.generate(prompts, params, use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert compile_events() == before, "a new prompt count compiled after the warm-up"
+
+
+def test_warmup_progress_can_be_disabled(tiny_pair, tiny_llm, capsys):
+    """LLM's warm-up shows its shape buckets on stderr unless use_tqdm=False (these shapes are
+    the session's, compiled already by ``tiny_llm``)."""
+    from jspec.llm import LLM
+
+    capsys.readouterr()
+    LLM(*tiny_pair, use_tqdm=False, **LLM_KW)
+    assert capsys.readouterr().err == ""
+    llm = LLM(*tiny_pair, **LLM_KW)
+    n = len(llm.engine.runner.bucket_plan())
+    err = capsys.readouterr().err
+    assert "compile" in err  # the bar
+    line = re.search(r"(\d+) shape buckets ready in [\d.]+ s: (\d+) compiled, (\d+) loaded from "
+                     r"the compilation cache(?:, (\d+) compiled before in this process)?\n", err)
+    assert line, err
+    counts = [int(g or 0) for g in line.groups()]
+    assert counts[0] == n == sum(counts[1:])
 
 
 def test_chat_applies_the_template(tiny_llm):

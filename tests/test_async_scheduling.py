@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import make_engine, run_to_completion
+from conftest import ENGINE_KW, make_engine, run_to_completion
 from jspec.sampling_params import SamplingParams
 from jspec.sequence import PENDING_TOKEN
 from policies.base import BatchView, DraftPlan, Policy
@@ -144,8 +144,10 @@ def test_adaptive_policy_overlaps_its_plain_steps(engine_models, mixed_prompts, 
     target, draft, _ = engine_models
     prompts = mixed_prompts[:8]  # all running at once: nothing waits to be admitted
     # half the requests stop on any of 37 tokens, so some end on the γ = 0 step just before a
-    # step that drafts (that step then runs without them)
-    params = [dataclasses.replace(sp, max_tokens=40 + 4 * i,
+    # step that drafts (that step then runs without them); the long prompts' outputs end at the
+    # context's end
+    room = [ENGINE_KW["max_model_len"] - len(p) for p in prompts]
+    params = [dataclasses.replace(sp, max_tokens=min(40 + 4 * i, room[i]),
                                   stop_token_ids=list(range(3, 40)) if i % 2 else [])
               for i, sp in enumerate(_params(len(prompts), temperature))]
     results, engines = [], []

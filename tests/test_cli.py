@@ -49,6 +49,35 @@ def test_generate_prints_texts_and_one_summary(capsys, tiny_pair, tiny_llm):
         assert f"### prompt {i} (length, 12 tokens): {prompt}\n{exp.text}\n" in out
 
 
+def test_engine_shapes_do_not_depend_on_the_prompt_count(capsys, monkeypatch, tiny_pair):
+    """`jspec generate` builds the same engine, so the same shape buckets, for 1, 3 and 8
+    prompts: a later run with another count loads the first run's executables from the
+    compilation cache. Stopped where generation would start, so nothing compiles here."""
+    from jspec.llm import LLM
+
+    class Stop(Exception):
+        pass
+
+    plans = []
+
+    def record(llm, prompts, *args, **kwargs):
+        plans.append((llm.engine.rc, llm.engine.runner.bucket_plan()))
+        raise Stop
+
+    monkeypatch.setattr(LLM, "generate", record)
+    target, draft = tiny_pair
+    shapes = llm_cli_args()
+    at = shapes.index("--max-num-seqs")
+    del shapes[at:at + 2]  # the engine's default
+    for n in (1, 3, 8):
+        prompts = [arg for i in range(n) for arg in ("--prompt", f"def f{i}(x):")]
+        with pytest.raises(Stop):
+            run_cli(capsys, "--target", target, "--draft", draft, *shapes, *prompts,
+                    "--no-warmup", "--no-progress")
+    assert plans[0] == plans[1] == plans[2]
+    assert plans[0][0].engine.max_num_seqs == 16  # the engine's default, as in jspec serve
+
+
 def test_prompts_file(capsys, tiny_pair, tmp_path):
     target, draft = tiny_pair
     path = tmp_path / "prompts.txt"
@@ -119,6 +148,9 @@ def test_target_without_draft_is_plain_decoding(capsys, tiny_pair):
                              "dsde, heuristic, nightjar, off, specrouter, static, ucb"),
     (["--policy-option", "gamma"], "--policy-option expects KEY=VALUE, got 'gamma'"),
     (["--policy-option", "gamma=99"], "gamma must be in [0, max_gamma=7], got 99"),
+    (["--policy-option", "gama=2"], "unknown option 'gama' for policy 'static'; did you mean "
+                                    "'gamma'? (its options are gamma, chain)"),
+    (["--prompt", "Hello", "--max-tokens", "500"], "max_tokens=500 is too large: the prompt has "),
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "word " * 200], "max_model_len is 128"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "cannot read --prompts-file"),
@@ -149,6 +181,9 @@ def test_bad_model_arguments(capsys, tiny_pair, tmp_path):
     assert "error: draft vocabulary (520 tokens) differs from the target's (512)" in err
     code, _, err = run_cli(capsys, "--target", str(tmp_path / "missing"), "--no-progress")
     assert code == 2 and "does not exist" in err
+    code, _, err = run_cli(capsys, "--target", f"{target}/config.json", "--no-progress")
+    assert code == 2 and (f"error: expected a checkpoint directory, but '{target}/config.json' "
+                          f"is a file; pass its directory '{target}'") in err
 
 
 def test_argparse_errors_exit_2(capsys):

@@ -121,7 +121,7 @@ def test_each_policy_builds_by_name(name, engine_models):
     gammas = policy.possible_gammas()
     assert gammas <= set(range(MAX_GAMMA + 1)) and gammas
     assert (gammas == {0}) == (name == "off")  # only 'off' never drafts
-    with pytest.raises(ValueError, match=f"bad options for policy '{name}'"):
+    with pytest.raises(ValueError, match=f"unknown option 'no_such_option' for policy '{name}'"):
         make_policy(name, MAX_GAMMA, no_such_option=1)
 
 

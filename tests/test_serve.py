@@ -235,7 +235,7 @@ ERROR_CASES = [
     ("unknown-model", COMPLETIONS, _body(model="gpt-4"), 400, "model", "model_not_found",
      "model 'gpt-4' does not exist; this server serves 'tiny-pair'"),
     ("prompt-too-long", COMPLETIONS, _body(prompt="word " * 300), 400, "prompt",
-     "context_length_exceeded", "context holds 128 tokens"),
+     "context_length_exceeded", "max_model_len is 128"),
     ("max-tokens-zero", COMPLETIONS, _body(max_tokens=0), 400, "max_tokens", "invalid_value",
      "max_tokens must be >= 1, got 0"),
     ("max-tokens-too-large", COMPLETIONS, _body(max_tokens=1000), 400, "max_tokens",
@@ -308,6 +308,43 @@ def test_error_cases(server, path, body, status, param, code, fragment):
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param and error["code"] == code
     assert fragment in error["message"], error["message"]
+
+
+# (endpoint, body fields, what the same request is through the Python API)
+AGREEMENT_CASES = [
+    ("missing-content", CHAT, {"messages": [{"role": "user"}]}),
+    ("wizard-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}),
+    ("role-type", CHAT, {"messages": [{"role": 3, "content": "x"}]}),
+    ("content-type", CHAT, {"messages": [{"role": "user", "content": 5}]}),
+    ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("no-messages", CHAT, {"messages": []}),
+    ("message-type", CHAT, {"messages": ["Hi"]}),
+    ("chat-too-long", CHAT, {"messages": [{"role": "user", "content": "word " * 300}]}),
+    ("prompt-too-long", COMPLETIONS, {"prompt": list(range(3, 3 + 128))}),
+    ("max-tokens-too-large", COMPLETIONS, {"prompt": list(range(3, 103)), "max_tokens": 50}),
+    ("empty-prompt", COMPLETIONS, {"prompt": ""}),
+    ("token-outside-vocab", COMPLETIONS, {"prompt": [1, 99999]}),
+]
+
+
+@pytest.mark.parametrize("path, fields", [c[1:] for c in AGREEMENT_CASES],
+                         ids=[c[0] for c in AGREEMENT_CASES])
+def test_api_and_server_refuse_alike(server, tiny_llm, path, fields):
+    """What the server refuses with a 400, LLM.generate / LLM.chat refuse with a ValueError
+    in the same words (one check, jspec.request_checks and EngineLimits, behind both)."""
+    body = {"model": MODEL, "max_tokens": 4, **fields}
+    status, _, raw = http("POST", server.url + path, body, headers={
+        **AUTH, "Content-Type": "application/json"})
+    assert status == 400, raw
+    message = json.loads(raw)["error"]["message"]
+    params = SamplingParams(max_tokens=body["max_tokens"])
+    with pytest.raises(ValueError) as refused:
+        if path == CHAT:
+            tiny_llm.chat(body["messages"], params, use_tqdm=False)
+        else:
+            tiny_llm.generate(body["prompt"], params, use_tqdm=False)
+    # the API prefixes a conversation's own errors with "messages: "; the server's param says it
+    assert str(refused.value).removeprefix("messages: ") == message
 
 
 def test_routing_errors_are_json(server):

@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = heldout_function_prompts(args.num_prompts)
     llm = LLM(target=args.target, draft=args.draft, policy="static",
-              num_speculative_tokens=args.gamma, max_num_seqs=args.max_num_seqs)
+              num_speculative_tokens=args.gamma, max_num_seqs=args.max_num_seqs,
+              use_tqdm=sys.stderr.isatty())
     engine = llm.engine
     t_cfg, d_cfg = engine.runner.target.cfg, engine.runner.draft.cfg
     print(f"target {t_cfg.num_params() / 1e6:.2f}M params, draft {d_cfg.num_params() / 1e6:.2f}M; "

@@ -1028,8 +1028,10 @@ def run(args: argparse.Namespace) -> int:
               f"(context limit {context_limit}); "
               f"policies: {', '.join(p['label'] for p in policies)}", file=sys.stderr)
     else:
+        # fitted to what one sequence may hold (the KV pool may hold less than max_model_len):
+        # the engine refuses a request whose prompt + max_tokens does not fit
         requests = wl.build_requests(
-            prompts, first.tokenizer.encode, arrivals.times, max_model_len=max_model_len,
+            prompts, first.tokenizer.encode, arrivals.times, max_model_len=context_limit,
             max_tokens=args.max_tokens, seed=args.seed, context_tokens=arrivals.context_tokens,
             generated_tokens=arrivals.generated_tokens, context_scale=args.context_scale,
             max_prompt_tokens=args.max_prompt_tokens)
