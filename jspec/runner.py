@@ -25,12 +25,12 @@ from jspec import device_steps
 from jspec.config import ResolvedConfig, resolve_elastic_pool_layout
 from jspec.sampler import (SamplingTensors, TokenLogprobs, VerifyResult, rejection_sample,
                            sample_tokens, token_logprobs, verify_signals)
-from models import sharding
-from models.config import ModelConfig
-from models.transformer import KVCache, ModelInput, forward
-from pallas_kernels import backend as kernel_backend
-from pallas_kernels.kv_migration import pad_pairs, validate_pairs
-from pallas_kernels.ragged_paged_attention import AttentionMetadata
+from jspec.models import sharding
+from jspec.models.config import ModelConfig
+from jspec.models.transformer import KVCache, ModelInput, forward
+from jspec.kernels import backend as kernel_backend
+from jspec.kernels.kv_migration import pad_pairs, validate_pairs
+from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
 # ----------------------------------------------------------------------------- compile tracking
 _compile_lock = threading.Lock()
@@ -148,7 +148,7 @@ class ModelRunner:
                          for m in self.pool]
         self.gamma_buckets = gamma_buckets
         self.kv_dtype = kv_dtype
-        # what the policy reads (policies.base.Policy.signals / wants_draft_stats): compiled in
+        # what the policy reads (jspec.policies.base.Policy.signals / wants_draft_stats): compiled in
         self.signals = tuple(sorted(signals))
         self.draft_stats = bool(draft_stats)
         # the chains the policy may play (Policy.possible_chains): what gets compiled
@@ -610,7 +610,7 @@ class ModelRunner:
     def migrate_blocks(self, pairs) -> int:
         """Copy KV blocks (src, dst) in every pool this runner holds (the target's, segments
         and all, and the draft's while it is resident), in place. Destinations must be free
-        blocks (validated here: ``pallas_kernels.kv_migration.validate_pairs``); the caller
+        blocks (validated here: ``jspec.kernels.kv_migration.validate_pairs``); the caller
         rewrites its page tables. Plans run in chunks of ``migrate_bucket`` pairs, padded with
         null pairs, so one compiled size serves every plan."""
         num_blocks = self.target_kv.num_blocks

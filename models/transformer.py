@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from models import sharding
-from models.config import ModelConfig
-from pallas_kernels import segments
-from pallas_kernels.pytree import array_dataclass
-from pallas_kernels.ragged_paged_attention import (
+from jspec.models import sharding
+from jspec.models.config import ModelConfig
+from jspec.kernels import segments
+from jspec.kernels.pytree import array_dataclass
+from jspec.kernels.ragged_paged_attention import (
     AttentionMetadata,
     ragged_paged_attention_tiled,
     token_sequence_ids,
@@ -34,7 +34,7 @@ AttentionFn = Callable[..., jax.Array]
 @array_dataclass
 class KVCache:
     """A model's paged KV pool: k and v are [layers, num_blocks, block_size, kv_heads, head_dim],
-    or tuples of such segments whose blocks number on (``pallas_kernels.segments``: the target's
+    or tuples of such segments whose blocks number on (``jspec.kernels.segments``: the target's
     pool while elastic memory has it expanded)."""
 
     k: segments.Pool
@@ -178,7 +178,7 @@ def forward(
 
     With ``return_hidden`` the final-norm hidden states at the logits rows are returned too
     (training and distillation use them). With a ``mesh`` the params and the pool are sharded
-    by models.sharding's rules and every device runs this same forward on its own heads
+    by jspec.models.sharding's rules and every device runs this same forward on its own heads
     (``shard_map``): attention without communication, two all-reduces per layer, the logits
     gathered over the vocabulary; everything returned but the pool is replicated.
     """
@@ -215,7 +215,7 @@ def _embed(params: dict, ids: jax.Array, axis: str | None) -> jax.Array:
 def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
              attention_fn: AttentionFn, return_hidden: bool, axis: str | None = None):
     """``forward`` on one device; under ``shard_map`` (``axis`` named) on this device's share:
-    ``cfg`` is then models.sharding.local_config's, the params and pool are local slices."""
+    ``cfg`` is then jspec.models.sharding.local_config's, the params and pool are local slices."""
     md = batch.attn
     num_tokens = batch.input_ids.shape[0]
     block_size = kv.block_size

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from serve.client import RequestResult, RequestSpec, percentile, run_requests, summarize
+from jspec.serve.client import RequestResult, RequestSpec, percentile, run_requests, summarize
 from serve_helpers import MODEL, TIMEOUT, http, start_server, wait_idle, wait_until
 
 # ignore_eos and a long max_tokens keep a request running for many steps (max_model_len is 128)
