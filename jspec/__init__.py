@@ -14,9 +14,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from jspec.layout import install_checkout_finder as _install_checkout_finder
 from jspec.platform import configure_cpu_bf16 as _configure_cpu_bf16
 
 __version__ = "0.1.0"
+
+# jspec.models, jspec.policies, ... in a source checkout used without an install (jspec.layout)
+_install_checkout_finder()
 
 # Before anything starts JAX's backend (which reads XLA_FLAGS once); imports no JAX.
 _configure_cpu_bf16()

@@ -25,7 +25,7 @@ from jspec.engine import LLMEngine
 from jspec.engine_info import EngineLimits, EngineStats
 from jspec.outputs import RequestOutput
 from jspec.sampling_params import SamplingParams
-from policies.base import StepOutcome
+from jspec.policies.base import StepOutcome
 
 logger = logging.getLogger("jspec.engine")
 

@@ -1,6 +1,6 @@
 """The step-time profile an engine measures for itself, so cost-aware policies need no manual step.
 
-AdaSpec and DSD reason from a ``policies.profile.StepProfile``. Given none (``needs_profile``
+AdaSpec and DSD reason from a ``jspec.policies.profile.StepProfile``. Given none (``needs_profile``
 and ``profile is None``), ``LLMEngine.ensure_profile`` calls ``engine_profile`` after the warm-up
 (or before the first request of an engine nobody warmed up): it loads the profile cached for this
 engine's cost signature, or measures one with the engine itself and caches it under
@@ -37,8 +37,8 @@ import time
 
 import numpy as np
 
-from policies.profile import FORMAT, StepProfile, model_signature
-from policies.static import StaticPolicy
+from jspec.policies.profile import FORMAT, StepProfile, model_signature
+from jspec.policies.static import StaticPolicy
 
 VERSION = 4  # bump when what is measured changes: older cached profiles are then ignored
 # (3: the catch-up points no longer include the draft reading a fresh sequence's prompt;

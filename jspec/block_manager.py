@@ -16,7 +16,7 @@ every live query and attention masks it by position.
 
 Elastic pool (Nightjar §5, ``jspec/elastic.py``): the ids ``num_base_blocks .. num_blocks - 1``
 are the *extension*: one numbering with the base, though on the device they live in a second
-array allocated only while the pool is expanded (``pallas_kernels.segments``). They are reserved,
+array allocated only while the pool is expanded (``jspec.kernels.segments``). They are reserved,
 outside the free list, until :meth:`expand` hands them out; :meth:`contraction_plan` and
 :meth:`contract` move every live block out of the extension again and take it back.
 
@@ -439,7 +439,7 @@ class BlockManager:
         a free base block, never-indexed ones lowest first, then cached ones no table holds,
         least recently used first (they are evicted) (§5.3 steps 1-2). ``None`` when the free
         base blocks cannot take them all. Sources are live and destinations free, so the two
-        sets are disjoint and the copies commute (``pallas_kernels.kv_migration``)."""
+        sets are disjoint and the copies commute (``jspec.kernels.kv_migration``)."""
         if not self.expanded:
             raise RuntimeError("the KV pool is not expanded")
         base = self.num_base_blocks

@@ -150,7 +150,7 @@ def parse_policy_options(items: list[str]) -> dict[str, Any]:
 def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """Everything about the models and the policy that is checkable without loading anything.
     Returns the parsed policy options."""
-    from policies import make_policy
+    from jspec.policies import make_policy
 
     if args.draft is not None and args.target is None:
         raise ValueError("--draft needs --target (give both, or neither for the default pair)")
@@ -167,7 +167,7 @@ def join_processes(args: argparse.Namespace, policy_options: dict[str, Any]):
     starts JAX's backend (jspec/distributed.py) and return this process's StepSync; None for
     a single process."""
     from jspec import distributed
-    from policies import make_policy
+    from jspec.policies import make_policy
 
     if not distributed.check_arguments(args):
         return None
@@ -190,7 +190,7 @@ def describe_models(args: argparse.Namespace) -> None:
     """One stderr note on which models run when that is not obvious from the flags."""
     if args.target is None:
         from jspec.default_models import describe_default_pair
-        from policies import POLICIES
+        from jspec.policies import POLICIES
 
         pool = getattr(POLICIES.get(args.policy), "wants_pool", False)
         extra = " and the pool's middle model (models/default_pair/mid)" if pool else ""

@@ -1,6 +1,6 @@
 """`jspec profile`: measure a model pair's step times on this machine for the cost-aware policies.
 
-Writes a ``policies.profile.StepProfile`` as JSON:
+Writes a ``jspec.policies.profile.StepProfile`` as JSON:
 
 * target forward time over a grid of (batch size B, new tokens per sequence q, context L): q = 1
   is plain decode, q = γ+1 a verification window;
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from jspec.config import resolve_dtype
     from jspec.default_models import default_pair
     from jspec.llm import load_model
-    from policies.profile import StepProfile, model_signature
+    from jspec.policies.profile import StepProfile, model_signature
 
     dtype = resolve_dtype(args.dtype)
     if args.synthetic is not None:

@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     import asyncio
 
-    from serve.app import ServerOptions
-    from serve.server import Server
+    from jspec.serve.app import ServerOptions
+    from jspec.serve.server import Server
 
     options = ServerOptions(model_name=served_model_name(args), api_key=args.api_key,
                             max_queue=args.max_queue, grace_period=args.grace_period,

@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load_corpus(args, tokenizer):
     import numpy as np
 
-    from models.corpus import discover, pack, read_texts, split_files, tokenize_documents
+    from jspec.models.corpus import discover, pack, read_texts, split_files, tokenize_documents
 
     train_files, held_files = split_files(discover(include_tests=not args.no_tests))
     if args.max_files is not None:
@@ -100,7 +100,7 @@ def _self_generated(args, corpus, tokenizer, ckpt_dir: str):
     import numpy as np
 
     from jspec.self_distill import generate_sequences, mix_windows, prefix_prompts
-    from models.corpus import discover, function_prompts, pack, split_files
+    from jspec.models.corpus import discover, function_prompts, pack, split_files
 
     if args.self_generated < 0 or args.self_max_tokens < 1 or args.self_batch < 1:
         raise ValueError("--self-generated must be >= 0, --self-max-tokens and --self-batch "
@@ -134,10 +134,10 @@ def _self_generated(args, corpus, tokenizer, ckpt_dir: str):
 def run(args) -> int:
     import jax.numpy as jnp
 
-    from models.loader import load_checkpoint, load_tokenizer
-    from models.modeling import params_for_module
-    from models.tokenizer_train import save_tokenizer, train_stdlib_tokenizer
-    from models.train import (TrainConfig, config_for, eval_loss, export_hf, greedy_agreement,
+    from jspec.models.loader import load_checkpoint, load_tokenizer
+    from jspec.models.modeling import params_for_module
+    from jspec.models.tokenizer_train import save_tokenizer, train_stdlib_tokenizer
+    from jspec.models.train import (TrainConfig, config_for, eval_loss, export_hf, greedy_agreement,
                               train)
 
     for name in ("steps", "batch_size", "seq_len"):

@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "models" / "default_pair"
+import jspec.models
+
+# in the jspec.models package: the repository's models/ folder, or jspec/models/ once installed
+SHIPPED_DIR = Path(jspec.models.__file__).resolve().parent / "default_pair"
 
 
 def cache_dir() -> Path:
@@ -42,13 +45,13 @@ def shipped_intermediate() -> str | None:
 
 def tiny_random_intermediate() -> str:
     """A tiny random middle model for the fallback pool (built on first use, cached)."""
-    from models.tiny import write_tiny_checkpoint
-    from models.train import TINY_INTERMEDIATE
+    from jspec.models.tiny import write_tiny_checkpoint
+    from jspec.models.train import TINY_INTERMEDIATE
 
     path = cache_dir() / "tiny-random-pair-v1" / "mid"
     if not (path / "config.json").exists():
         target, _ = tiny_random_pair()
-        from models.loader import load_tokenizer
+        from jspec.models.loader import load_tokenizer
 
         write_tiny_checkpoint(path, "llama", seed=2, tokenizer=load_tokenizer(target),
                               **TINY_INTERMEDIATE)
@@ -68,7 +71,7 @@ def default_pool() -> tuple[str, dict[str, str]]:
 
 def tiny_random_pair() -> tuple[str, str]:
     """(target_dir, draft_dir) of the tiny random pair, building it if needed."""
-    from models.tiny import write_tiny_pair
+    from jspec.models.tiny import write_tiny_pair
 
     root = cache_dir() / "tiny-random-pair-v1"
     target, draft = root / "target", root / "draft"

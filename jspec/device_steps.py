@@ -15,10 +15,10 @@ import jax.numpy as jnp
 
 from jspec.sampler import (SamplingTensors, rejection_sample, row_uniforms, sample_draft_tokens,
                            sample_tokens)
-from models.config import ModelConfig
-from models.transformer import KVCache, ModelInput, forward
-from pallas_kernels.pytree import array_dataclass
-from pallas_kernels.ragged_paged_attention import AttentionMetadata
+from jspec.models.config import ModelConfig
+from jspec.models.transformer import KVCache, ModelInput, forward
+from jspec.kernels.pytree import array_dataclass
+from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
 # Most tokens a pool model has not yet seen when it drafts or verifies (the newest token, and the
 # bonus token before it): longer lags are caught up first (input_batch.catch_up_segments). The

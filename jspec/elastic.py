@@ -13,7 +13,7 @@ out of the free list until the pool expands.
 
 * ``segments`` (the default on GPU and TPU): the memory really changes hands. On expansion the
   draft's weights go to host memory and its KV pool is deleted, and only then is the extension
-  allocated, as a second array beside the target's base pool (``pallas_kernels.segments``); on
+  allocated, as a second array beside the target's base pool (``jspec.kernels.segments``); on
   contraction the live extension blocks are migrated into free base blocks, the extension array
   is deleted, and only then is the draft reloaded. The device bytes of (target KV, draft
   weights, draft KV) never exceed what the engine started with (tests/test_elastic.py counts

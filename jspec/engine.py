@@ -33,11 +33,11 @@ from jspec.sampling_params import SamplingParams
 from jspec.scheduler import Scheduler, SchedulerConfig
 from jspec.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from jspec.step_state import StageClock, StepState
-from models.sharding import check_shardable
-from models.transformer import KVCache
-from policies import BatchView, DraftStats, Policy, StepOutcome, make_policy
-from policies.profile import StepProfile, model_signature
-from policies.static import OffPolicy
+from jspec.models.sharding import check_shardable
+from jspec.models.transformer import KVCache
+from jspec.policies import BatchView, DraftStats, Policy, StepOutcome, make_policy
+from jspec.policies.profile import StepProfile, model_signature
+from jspec.policies.static import OffPolicy
 
 
 @dataclasses.dataclass(eq=False)

@@ -15,8 +15,8 @@ from jspec.block_manager import BlockManager
 from jspec.device_steps import MAX_PENDING
 from jspec.sampler import SamplingTensors
 from jspec.sequence import Sequence
-from models.transformer import ModelInput
-from pallas_kernels.ragged_paged_attention import AttentionMetadata
+from jspec.models.transformer import ModelInput
+from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
 
 @dataclasses.dataclass(eq=False)

@@ -22,7 +22,7 @@ def load_model(path: str | os.PathLike, dtype: str, name: str, on_host: bool = F
 
     from jspec.platform import warn_if_slow_cpu_bf16
     from jspec.runner import LoadedModel
-    from models.loader import load_checkpoint
+    from jspec.models.loader import load_checkpoint
 
     warn_if_slow_cpu_bf16(dtype, stacklevel=2)
     cfg, params = load_checkpoint(path, dtype=jnp.bfloat16 if dtype == "bfloat16"
@@ -115,7 +115,7 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
     from jspec.engine import LLMEngine
     from jspec.platform import configure_cpu_devices, warn_if_slow_cpu_bf16
     from jspec.runner import LoadedModel, enable_persistent_compilation_cache
-    from models.loader import load_tokenizer
+    from jspec.models.loader import load_tokenizer
 
     if os.environ.get("JSPEC_COMPILATION_CACHE", "on").lower() not in ("0", "off", "false"):
         enable_persistent_compilation_cache(str(cache_dir() / "xla"))
@@ -130,7 +130,7 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         if draft is not None and not (isinstance(draft, (list, tuple)) and not draft):
             raise ValueError("a draft was given without a target; give both or neither")
         target, draft = default_pair()
-        from policies import make_policy
+        from jspec.policies import make_policy
 
         probe = policy_obj or make_policy(config.policy, config.num_speculative_tokens,
                                           **config.policy_kwargs)

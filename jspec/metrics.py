@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from jspec.block_manager import PrefixCacheStats
-from policies.base import StepOutcome, batch_bucket, chain_label
+from jspec.policies.base import StepOutcome, batch_bucket, chain_label
 
 
 @dataclasses.dataclass
@@ -52,9 +52,9 @@ class EngineMetrics:
     def __post_init__(self):
         self.accepted_per_position = np.zeros(self.max_gamma, np.int64)
         self.gamma_histogram = np.zeros(self.max_gamma + 1, np.int64)
-        # batch-size bucket (policies.base.batch_bucket) -> γ histogram of the steps at that load
+        # batch-size bucket (jspec.policies.base.batch_bucket) -> γ histogram of the steps at that load
         self.gamma_histogram_by_batch: dict[int, np.ndarray] = {}
-        self.stage_time: dict[str, float] = {}  # seconds per step stage (policies.base.STAGES)
+        self.stage_time: dict[str, float] = {}  # seconds per step stage (jspec.policies.base.STAGES)
         # decoding steps per chain of models (SpecRouter), overall and per batch-size bucket;
         # labels name the pool's models, e.g. "draft>mid>target", "target"
         self.pool_names = tuple(self.pool_names)

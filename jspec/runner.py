@@ -168,7 +168,7 @@ class ModelRunner:
                          for m in self.pool]
         self.gamma_buckets = gamma_buckets
         self.kv_dtype = kv_dtype
-        # what the policy reads (policies.base.Policy.signals / wants_draft_stats): compiled in
+        # what the policy reads (jspec.policies.base.Policy.signals / wants_draft_stats): compiled in
         self.signals = tuple(sorted(signals))
         self.draft_stats = bool(draft_stats)
         # the chains the policy may play (Policy.possible_chains): what gets compiled
@@ -641,7 +641,7 @@ class ModelRunner:
     def migrate_blocks(self, pairs) -> int:
         """Copy KV blocks (src, dst) in every pool this runner holds (the target's, segments
         and all, and the draft's while it is resident), in place. Destinations must be free
-        blocks (validated here: ``pallas_kernels.kv_migration.validate_pairs``); the caller
+        blocks (validated here: ``jspec.kernels.kv_migration.validate_pairs``); the caller
         rewrites its page tables. Plans run in chunks of ``migrate_bucket`` pairs, padded with
         null pairs, so one compiled size serves every plan."""
         num_blocks = self.target_kv.num_blocks

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.pytree import array_dataclass
+from jspec.kernels.pytree import array_dataclass
 
 _NEG = -1e30
 _PROB_FLOOR = 1e-8  # clamp before logs for KL / entropy signals
@@ -128,7 +128,7 @@ class VerifyResult:
     num_accepted: jax.Array
 
 
-# The per-position signals a policy may read (policies.base.Policy.signals). Each is a full-
+# The per-position signals a policy may read (jspec.policies.base.Policy.signals). Each is a full-
 # vocabulary reduction per drafted position, so the engine computes only those its policy reads.
 SIGNALS = ("accept_prob", "kl", "draft_entropy", "confidence")
 

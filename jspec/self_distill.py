@@ -10,7 +10,7 @@ draft at the serving distribution (the on-policy data of DistillSpec, Zhou et al
 KL(target || draft) objective is unchanged; only the windows it is computed on differ.
 
 Prompts: the signatures + docstrings of the training split's functions
-(``models.corpus.function_prompts``) and prefixes of training windows cut at seeded random
+(``jspec.models.corpus.function_prompts``) and prefixes of training windows cut at seeded random
 lengths, so both "complete this function" and "continue this module" are covered. Held-out
 modules are never used, so ``jspec bench pair`` still measures unseen code.
 """

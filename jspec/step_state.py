@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jspec.input_batch import RowWork
-from policies.base import STAGES, BatchView, DraftPlan
+from jspec.policies.base import STAGES, BatchView, DraftPlan
 
 
 @dataclasses.dataclass(eq=False)
@@ -87,7 +87,7 @@ class StepState:
 
 
 class StageClock:
-    """Wall time per stage of a step (``policies.base.STAGES``). With ``sync`` each device
+    """Wall time per stage of a step (``jspec.policies.base.STAGES``). With ``sync`` each device
     stage waits for its outputs before the lap closes, so the split between device stages is
     exact (benchmarks); without it a lap closes at dispatch and device time lands in whichever
     later stage first waits for it (the step's total is right either way)."""

@@ -41,7 +41,7 @@ import numpy as np
 
 from jspec.default_models import SHIPPED_DIR
 from jspec.jsonfile import read_json
-from models.config import ModelConfig
+from jspec.models.config import ModelConfig
 
 SHIPPED_ACCEPTANCE = str(SHIPPED_DIR / "acceptance.json")
 
@@ -194,7 +194,7 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from models.params import param_shapes
+    from jspec.models.params import param_shapes
 
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))

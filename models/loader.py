@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from models.config import ModelConfig
+from jspec.models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

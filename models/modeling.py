@@ -1,7 +1,7 @@
 """The decoder as a Flax linen module: parameter declarations (names, shapes, initializers) and
 the dense causal forward used for training.
 
-Serving does not go through the module: ``models.transformer.forward`` runs the same layer code
+Serving does not go through the module: ``jspec.models.transformer.forward`` runs the same layer code
 as a pure function over the same parameter pytree (``params_for_serving`` below), which is what
 lets the engine jit it per shape bucket, donate the KV pool and move params with ``device_put``.
 """
@@ -14,14 +14,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.params import param_shapes
-from models.transformer import dense_forward
+from jspec.models.config import ModelConfig
+from jspec.models.params import param_shapes
+from jspec.models.transformer import dense_forward
 
 
 class Decoder(nn.Module):
     """Llama-family decoder. ``Decoder(cfg).init(key, tokens)["params"]`` has the runtime layout
-    of ``models.params`` (a tied model declares no ``lm_head``; it is ``embed.T``)."""
+    of ``jspec.models.params`` (a tied model declares no ``lm_head``; it is ``embed.T``)."""
 
     cfg: ModelConfig
     param_dtype: Any = jnp.float32

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
+from jspec.models.config import ModelConfig
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

@@ -17,7 +17,7 @@ The runtime pytree fuses q, k, v into one ``wqkv`` and gate, up into one ``w_gat
 of k, so before sharding their columns are reordered shard-major (``shard_major``): device s
 holds [q_s | k_s | v_s] and [gate_s | up_s], a fused matrix of the same form for a model with
 1/N of the heads and intermediate width (``local_config``). Inside ``shard_map`` every device
-then runs the unchanged layer code on that local model (models.transformer.forward).
+then runs the unchanged layer code on that local model (jspec.models.transformer.forward).
 
 The draft models stay replicated (the runner's choice, jspec/runner.py says why).
 """
@@ -31,8 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.config import ModelConfig
-from models.params import param_shapes
+from jspec.models.config import ModelConfig
+from jspec.models.params import param_shapes
 
 AXIS = "tp"
 # KV pools are [layers, blocks, block_size, kv_heads, head_dim]: split over KV heads
@@ -86,7 +86,7 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 
 def param_specs(cfg: ModelConfig, tp: int) -> dict:
-    """A PartitionSpec per parameter (same structure as models.params.param_shapes)."""
+    """A PartitionSpec per parameter (same structure as jspec.models.params.param_shapes)."""
     vocab = vocab_sharded(cfg, tp)
     column, row = P(None, None, AXIS), P(None, AXIS, None)
     rules = {"attn_norm": REPLICATED, "wqkv": column, "bqkv": P(None, AXIS), "wo": row,

@@ -12,9 +12,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.loader import save_checkpoint
-from models.params import init_params
+from jspec.models.config import ModelConfig
+from jspec.models.loader import save_checkpoint
+from jspec.models.params import init_params
 
 # Special tokens take the first ids, in this order.
 # The pad token is spelled like Qwen's <|endoftext|>: transformers loads any qwen2 checkpoint's
@@ -96,7 +96,7 @@ def build_tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, corpus: str | N
     """A byte-level BPE ``PreTrainedTokenizerFast`` with pad/bos/eos, ChatML tokens and a chat
     template, trained on a short built-in text. Byte-level means every (NFC-normalized) string
     round-trips through encode/decode."""
-    from models.tokenizer_train import train_tokenizer  # it imports this module's constants
+    from jspec.models.tokenizer_train import train_tokenizer  # it imports this module's constants
 
     return train_tokenizer([corpus if corpus is not None else _CORPUS], vocab_size=vocab_size,
                            min_frequency=0)

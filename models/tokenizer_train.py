@@ -1,6 +1,6 @@
 """Byte-level BPE tokenizer for the default model pair, trained with ``tokenizers``.
 
-Same conventions as ``models.tiny`` (it reuses its pipeline and constants): NFC normalizer, the
+Same conventions as ``jspec.models.tiny`` (it reuses its pipeline and constants): NFC normalizer, the
 GPT-style pre-tokenizer split, byte-level alphabet (so every NFC string round-trips), special
 tokens at ids 0..4 in the order ``<|endoftext|>`` (pad), ``<|bos|>``, ``<|eos|>``,
 ``<|im_start|>``, ``<|im_end|>``, and the ChatML-like chat template. ``save_tokenizer`` writes it
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from models.tiny import (BOS, CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, SPECIAL_TOKENS,
+from jspec.models.tiny import (BOS, CHAT_TEMPLATE, EOS, IM_END, IM_START, PAD, SPECIAL_TOKENS,
                          _PRETOKENIZE_REGEX)
 
 DEFAULT_VOCAB_SIZE = 4096
@@ -23,7 +23,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
     """Train a byte-level BPE on ``texts`` -> ``PreTrainedTokenizerFast`` (vocab ``vocab_size``
     including the 5 special tokens)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from models.loader import import_transformers
+    from jspec.models.loader import import_transformers
 
     PreTrainedTokenizerFast = import_transformers().PreTrainedTokenizerFast
 
@@ -72,7 +72,7 @@ def save_tokenizer(tokenizer, path: str | os.PathLike) -> str:
 def train_stdlib_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, include_tests: bool = True,
                            max_files: int | None = None):
     """Tokenizer trained on the *train* split of the stdlib corpus (held-out modules unseen)."""
-    from models.corpus import discover, split_files
+    from jspec.models.corpus import discover, split_files
 
     train, _ = split_files(discover(include_tests=include_tests))
     if max_files is not None:

@@ -1,7 +1,7 @@
-"""Training and distillation of the built-in model pair on the stdlib corpus (``models.corpus``).
+"""Training and distillation of the built-in model pair on the stdlib corpus (``jspec.models.corpus``).
 
 Recipe
-    * Loss: next-token cross entropy over packed windows (``models.corpus.pack``), the Flax
+    * Loss: next-token cross entropy over packed windows (``jspec.models.corpus.pack``), the Flax
       ``Decoder`` vmapped over the batch. Master weights and optimizer state are float32; the loss
       casts the params to the compute dtype (bf16 by default) inside the differentiated function,
       so the forward/backward matmuls run in bf16 (accumulating in f32 via
@@ -17,9 +17,9 @@ Recipe
     * State: ``{"params", "opt_state", "step", "rng"}`` (a plain pytree), checkpointed with
       orbax-checkpoint's ``CheckpointManager`` every ``checkpoint_every`` steps and at the end.
       A run resumes from the latest checkpoint in its directory; the batch of step ``s`` is a pure
-      function of (s, seed) (``models.corpus.batch_indices``), so resuming gives the same state
+      function of (s, seed) (``jspec.models.corpus.batch_indices``), so resuming gives the same state
       as never stopping.
-    * Export: ``export_hf`` writes an HF checkpoint through ``models.loader.save_checkpoint``.
+    * Export: ``export_hf`` writes an HF checkpoint through ``jspec.models.loader.save_checkpoint``.
 
 Default pair (``config_for("default", ...)``; llama architecture, tied input/output embeddings,
 vocabulary 4096, RoPE theta 10000, max positions 1024)
@@ -29,7 +29,7 @@ vocabulary 4096, RoPE theta 10000, max positions 1024)
     Both tied so the shipped pair fits 25 MB in bf16 (12.1M parameters = 24.3 MB).
     Forward FLOPs per token (matmuls incl. the output head, plus attention at context 256, the
     mean context of a 512-token window; ``forward_flops_per_token``): target 23.5 MFLOP, draft
-    3.5 MFLOP, ratio 0.151 (<= 1/6); 0.149 without attention. ``python -m models.train`` prints
+    3.5 MFLOP, ratio 0.151 (<= 1/6); 0.149 without attention. ``python -m jspec.models.train`` prints
     these numbers.
 """
 
@@ -45,10 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from models.config import ModelConfig
-from models.corpus import get_batch
-from models.modeling import Decoder, params_for_module, params_for_serving
-from models.tiny import BOS_ID, DRAFT_OVERRIDES, EOS_ID, IM_END_ID, tiny_config
+from jspec.models.config import ModelConfig
+from jspec.models.corpus import get_batch
+from jspec.models.modeling import Decoder, params_for_module, params_for_serving
+from jspec.models.tiny import BOS_ID, DRAFT_OVERRIDES, EOS_ID, IM_END_ID, tiny_config
 
 # ----------------------------------------------------------------------------- model configs
 DEFAULT_TARGET = dict(num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, head_dim=64,
@@ -319,7 +319,7 @@ def greedy_agreement(cfg_a: ModelConfig, params_a: dict, cfg_b: ModelConfig, par
 def export_hf(path: str, cfg: ModelConfig, params: dict, tokenizer=None,
               dtype=jnp.bfloat16) -> str:
     """Module params -> HF checkpoint directory (runtime layout via ``params_for_serving``)."""
-    from models.loader import save_checkpoint
+    from jspec.models.loader import save_checkpoint
 
     runtime = params_for_serving(cfg, params)
     runtime = jax.tree_util.tree_map(lambda a: np.asarray(jnp.asarray(a, dtype)), runtime)

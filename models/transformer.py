@@ -35,7 +35,7 @@ AttentionFn = Callable[..., jax.Array]
 @array_dataclass
 class KVCache:
     """A model's paged KV pool: k and v are [layers, num_blocks, block_size, kv_heads, head_dim],
-    or tuples of such segments whose blocks number on (``pallas_kernels.segments``: the target's
+    or tuples of such segments whose blocks number on (``jspec.kernels.segments``: the target's
     pool while elastic memory has it expanded)."""
 
     k: segments.Pool
@@ -184,7 +184,7 @@ def forward(
 
     With ``return_hidden`` the final-norm hidden states at the logits rows are returned too
     (training and distillation use them). With a ``mesh`` the params and the pool are sharded
-    by models.sharding's rules and every device runs this same forward on its own heads
+    by jspec.models.sharding's rules and every device runs this same forward on its own heads
     (``shard_map``): attention without communication, two all-reduces per layer, the logits
     gathered over the vocabulary; everything returned but the pool is replicated.
     """

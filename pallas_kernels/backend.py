@@ -29,8 +29,8 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels import kv_migration
-from pallas_kernels import ragged_paged_attention as rpa
+from jspec.kernels import kv_migration
+from jspec.kernels import ragged_paged_attention as rpa
 
 BACKENDS = ("auto", "pallas", "interpret", "reference")
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def attention_fn(backend: str) -> Callable:
 
 def migration_fn(backend: str) -> Callable:
     """``f(k_pool, v_pool, pairs) -> (k_pool, v_pool)`` for a resolved backend, jitted with the
-    pools donated; pools may be segmented (``pallas_kernels.segments``). Validate the pairs with
+    pools donated; pools may be segmented (``jspec.kernels.segments``). Validate the pairs with
     ``kv_migration.validate_pairs`` first."""
     if backend == "reference":
         return jax.jit(kv_migration.migrate_blocks_reference, donate_argnums=(0, 1))

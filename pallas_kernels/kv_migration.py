@@ -16,8 +16,8 @@ a result that depends on execution order) or the same destination twice. Pairs w
 equals the destination are allowed only as the padding pair (0, 0): block 0 is the reserved null
 block, which no sequence owns, so copying it onto itself changes nothing that matters.
 
-Pool layout (as in ``models.transformer.KVCache``): [layers, num_blocks, block_size, kv_heads,
-head_dim], or a tuple of such segments numbering their blocks on (``pallas_kernels.segments``):
+Pool layout (as in ``jspec.models.transformer.KVCache``): [layers, num_blocks, block_size, kv_heads,
+head_dim], or a tuple of such segments numbering their blocks on (``jspec.kernels.segments``):
 elastic memory's contraction moves blocks from the extension segment into the base one, after
 which the extension is dropped. The kernel views one block of one layer as a flat row and copies
 it in chunks of a power-of-two length (GPU blocks must be), one grid step per pair, reading from
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import segments as seg
+from jspec.kernels import segments as seg
 
 
 def validate_pairs(pairs: Sequence[tuple[int, int]] | np.ndarray, num_blocks: int) -> np.ndarray:

@@ -88,7 +88,7 @@ def ragged_paged_attention_reference(
 
     q:       [T, num_heads, head_dim]
     k_pool:  [layers, num_blocks, block_size, kv_heads, head_dim] (v_pool alike), or a tuple
-             of such segments numbering their blocks on (``pallas_kernels.segments``)
+             of such segments numbering their blocks on (``jspec.kernels.segments``)
     layer:   which layer of the stacked pools to read
     max_q_len: the bound on any sequence's new tokens that every attention function takes
              (the tiled path and the kernel plan their tiles with it); this per-token path
@@ -319,7 +319,7 @@ def _tile_plan(md: AttentionMetadata, num_tokens: int, q_block: int, block_size:
 
 def _load_page(refs, layer, block, head):
     """One page of one kv head, [block_size, D], from the pool segment that holds ``block``
-    (``pallas_kernels.segments``): a branch per page, so an expanded pool reads each page once."""
+    (``jspec.kernels.segments``): a branch per page, so an expanded pool reads each page once."""
     if len(refs) == 1:
         return refs[0][layer, block, :, head, :]
     base, ext = refs

@@ -6,17 +6,17 @@ import difflib
 import inspect
 from typing import Any
 
-from policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
-from policies.adaedl import AdaEDLPolicy
-from policies.adaspec import AdaSpecPolicy
-from policies.auto import AutoPolicy
-from policies.dsd import DSDPolicy
-from policies.dsde import DSDEPolicy
-from policies.heuristic import HeuristicPolicy
-from policies.nightjar import NightjarPolicy
-from policies.specrouter import SpecRouterPolicy
-from policies.static import OffPolicy, StaticPolicy
-from policies.ucb import UCBPolicy
+from jspec.policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
+from jspec.policies.adaedl import AdaEDLPolicy
+from jspec.policies.adaspec import AdaSpecPolicy
+from jspec.policies.auto import AutoPolicy
+from jspec.policies.dsd import DSDPolicy
+from jspec.policies.dsde import DSDEPolicy
+from jspec.policies.heuristic import HeuristicPolicy
+from jspec.policies.nightjar import NightjarPolicy
+from jspec.policies.specrouter import SpecRouterPolicy
+from jspec.policies.static import OffPolicy, StaticPolicy
+from jspec.policies.ucb import UCBPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (AutoPolicy, StaticPolicy, OffPolicy, NightjarPolicy, DSDEPolicy,

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy, StepOutcome
+from jspec.policies.base import BatchView, DraftPlan, Policy, StepOutcome
 
 
 def entropy_threshold(lam: float, lam_e: float) -> float:

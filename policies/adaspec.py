@@ -119,9 +119,9 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import (BatchView, DraftPlan, DraftStats, Policy, StepOutcome, judged_rows,
+from jspec.policies.base import (BatchView, DraftPlan, DraftStats, Policy, StepOutcome, judged_rows,
                            option_bool, option_number)
-from policies.profile import StepProfile, load_profile
+from jspec.policies.profile import StepProfile, load_profile
 
 _KAPPA_PSEUDO = 4.0  # judged tokens of evidence the calibration prior κ = 1 is worth
 
@@ -352,7 +352,7 @@ class AdaSpecPolicy(Policy):
         self.conf_sum += float(seen.sum())
         self.conf_count += int(seen.size)
         self.num_steps += 1
-        # judged positions (policies.base.judged_rows) of the rows whose confidences were all
+        # judged positions (jspec.policies.base.judged_rows) of the rows whose confidences were all
         # recorded
         accepted, judged = judged_rows(outcome)
         mask = np.arange(conf.shape[1])[None, :] < judged[:, None]

@@ -22,7 +22,7 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
-from policies.nightjar import NightjarPolicy
+from jspec.policies.nightjar import NightjarPolicy
 
 
 class AutoPolicy(NightjarPolicy):

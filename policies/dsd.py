@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import (BatchView, DraftPlan, Policy, StepOutcome, expected_tokens,
+from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, expected_tokens,
                            judged_acceptance, option_number)
-from policies.profile import StepProfile, load_profile
+from jspec.policies.profile import StepProfile, load_profile
 
 _RATES = ("judged", "verified")
 

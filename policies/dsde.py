@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy, StepOutcome, option_int
+from jspec.policies.base import BatchView, DraftPlan, Policy, StepOutcome, option_int
 
 
 def weighted_variance(kls: Sequence[float], delta: float) -> float:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy, StepOutcome
+from jspec.policies.base import BatchView, DraftPlan, Policy, StepOutcome
 
 HF_NUM_ASSISTANT_TOKENS = 20  # transformers' GenerationConfig.num_assistant_tokens default
 

@@ -69,7 +69,7 @@ wrong arm at saturation", "Adaptation under load", rounds 2-6):
   step-time profile's (the engine measures one at start-up when none is given,
   jspec/autoprofile.py, so it holds the engine's real step cost) at the step's rows and mean
   context, and E(γ) = Σ_{j≤γ} α^j tokens per sequence (geometric acceptance). α is learned
-  across all contexts from the judged acceptances of every step (policies.base
+  across all contexts from the judged acceptances of every step (jspec.policies.base
   .judged_acceptance; decay 0.99 per step that verified drafts, ``alpha0`` = 0.6 worth 8
   tokens before any), because acceptance belongs to the model pair and the text, not to the
   load, while the step cost, which does depend on the load, comes from the profile. So a batch
@@ -131,10 +131,10 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
+from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
                            expected_tokens, judged_acceptance, option_bool, option_number)
-from policies.prefill_cost import PrefillCost
-from policies.profile import StepProfile, load_profile
+from jspec.policies.prefill_cost import PrefillCost
+from jspec.policies.profile import StepProfile, load_profile
 
 EXPLORE, EXPLOIT = "explore", "exploit"
 # the ``reward`` option's values
@@ -350,7 +350,7 @@ class NightjarPolicy(Policy):
     def alpha(self) -> float:
         """The per-token acceptance rate the prior assumes: judged acceptances (decayed by
         ``_ALPHA_DECAY`` per step that verified something) with ``alpha0`` worth
-        ``_ALPHA_PSEUDO`` tokens (policies.base.judged_acceptance)."""
+        ``_ALPHA_PSEUDO`` tokens (jspec.policies.base.judged_acceptance)."""
         return ((self._accepted + self.alpha0 * _ALPHA_PSEUDO)
                 / (self._judged + _ALPHA_PSEUDO))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.base import StepOutcome
+from jspec.policies.base import StepOutcome
 
 _DECAY = 0.99  # weight of older steps, per observed step: the fit spans ~100 steps
 _MIN_WEIGHT = 5.0  # decayed steps before the fit is trusted

@@ -72,7 +72,7 @@ Choices the paper leaves open, and how they are resolved here:
   means), so the identity misjudges a pair's accepted tokens. With ``calibrate`` the policy keeps,
   per pair, token-weighted sums decayed by ``_CALIBRATION_DECAY`` (0.99) per step that updated
   them: A = accepted draft tokens, J = judged tokens (the accepted prefix plus the first
-  rejection, ``policies.base.judged_rows``; for the target level num_accepted against
+  rejection, ``jspec.policies.base.judged_rows``; for the target level num_accepted against
   num_verified, for the intermediate level intermediate_accepted against num_drafted), and
   P = Σ step SimScore sample × judged tokens (the accepted tokens the identity f predicts). A/J is
   the measured acceptance rate (its expectation is exactly α under the geometric model), P/J the
@@ -100,7 +100,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket, judged_rows,
+from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket, judged_rows,
                            option_bool, option_int, option_number)
 
 TARGET = "target"  # the verifier of a chain's last draft level, in similarity keys

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy, option_int
+from jspec.policies.base import BatchView, DraftPlan, Policy, option_int
 
 
 class StaticPolicy(Policy):

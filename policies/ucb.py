@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import BatchView, DraftPlan, Policy, StepOutcome, batch_bucket
+from jspec.policies.base import BatchView, DraftPlan, Policy, StepOutcome, batch_bucket
 
 _ALL = "all"  # the key of the single bandit when per_batch_bucket is False
 

@@ -3,7 +3,7 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
 server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. ``OpenAIApp`` holds the serving state: the engine (None while it loads),
-the requests in flight, readiness and draining; ``serve.server`` drives its life cycle.
+the requests in flight, readiness and draining; ``jspec.serve.server`` drives its life cycle.
 
 The event loop only parses, tokenizes (milliseconds) and writes; model steps run on the
 engine's own thread. Admission is bounded: at most ``max_num_seqs`` requests run and
@@ -28,8 +28,8 @@ from typing import AsyncIterator
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serve.metrics import ServerMetrics
-from serve.protocol import (APIError, GenerationRequest, chat_logprobs, chunk_choice,
+from jspec.serve.metrics import ServerMetrics
+from jspec.serve.protocol import (APIError, GenerationRequest, chat_logprobs, chunk_choice,
                             choice_body, completion_logprobs, created_now, error_body, invalid,
                             parse_chat_request, parse_completion_request, parse_json_body,
                             response_body, sampling_params, usage_body)

@@ -8,7 +8,7 @@ when the server's queue is full). ``summarize`` turns a run into percentiles and
 It knows nothing about how arrivals were generated, so any benchmark harness can drive it.
 
     import asyncio
-    from serve.client import RequestSpec, run_requests, summarize
+    from jspec.serve.client import RequestSpec, run_requests, summarize
 
     specs = [RequestSpec(prompt="def fib(n):", max_tokens=32, arrival_time=0.1 * i)
              for i in range(100)]

@@ -5,7 +5,7 @@ Three kinds of series:
 * what the server observes per request (request counts by endpoint and status, finish reasons,
   TTFT / TPOT / end-to-end latency histograms, prompt and generated tokens): counters and
   histograms updated on the event loop;
-* what the engine's per-step record (``policies.base.StepOutcome``) says: steps, step time,
+* what the engine's per-step record (``jspec.policies.base.StepOutcome``) says: steps, step time,
   batch size and target tokens per step, the γ bucket each step ran in, time per step stage,
   prefill tokens, the vLLM-style ``spec_decode_*`` counters, accepted tokens per draft position,
   the γ chosen per sequence-step overall and per batch-size bucket, the mean γ of the latest
@@ -38,7 +38,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from policies.base import STAGES, StepOutcome, batch_bucket, chain_label
+from jspec.policies.base import STAGES, StepOutcome, batch_bucket, chain_label
 
 logger = logging.getLogger("jspec.serve")
 
@@ -51,7 +51,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 STEP_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0)
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # policies.base.batch_bucket's
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # jspec.policies.base.batch_bucket's
 STEP_TOKENS_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_TOKENS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from serve.app import OpenAIApp, ServerOptions
+from jspec.serve.app import OpenAIApp, ServerOptions
 
 logger = logging.getLogger("jspec.serve")
 

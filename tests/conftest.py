@@ -29,7 +29,7 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), TE
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from models.tiny import build_tiny_tokenizer
+    from jspec.models.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -37,7 +37,7 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, tiny_tokenizer):
     """Path of a tiny random llama checkpoint (fp32 weights, with tokenizer)."""
-    from models.tiny import write_tiny_checkpoint
+    from jspec.models.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=0,
                                  tokenizer=tiny_tokenizer)
@@ -46,7 +46,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(target_path, draft_path): tiny llama target and smaller draft sharing a tokenizer."""
-    from models.tiny import write_tiny_pair
+    from jspec.models.tiny import write_tiny_pair
 
     return write_tiny_pair(tmp_path_factory.mktemp("tiny_pair"), "llama", seed=0)
 
@@ -70,8 +70,8 @@ def engine_models():
     import numpy as np
 
     from jspec.runner import LoadedModel
-    from models.params import init_params
-    from models.tiny import DRAFT_OVERRIDES, tiny_config
+    from jspec.models.params import init_params
+    from jspec.models.tiny import DRAFT_OVERRIDES, tiny_config
 
     cfg = tiny_config("llama", vocab_size=ENGINE_VOCAB)
     target = init_params(cfg, seed=0, std=0.2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.base import BatchView, DraftStats, StepOutcome
+from jspec.policies.base import BatchView, DraftStats, StepOutcome
 
 
 def make_view(num_decode: int = 1, batch_size: int | None = None, max_gamma: int = 4, *,

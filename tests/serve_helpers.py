@@ -21,8 +21,8 @@ MODEL = "tiny-pair"
 def start_server(tiny_pair, **options):
     """A ready BackgroundServer on a free port of 127.0.0.1 (stop it with ``.stop()``)."""
     from jspec.async_engine import AsyncLLMEngine
-    from serve.app import ServerOptions
-    from serve.server import BackgroundServer
+    from jspec.serve.app import ServerOptions
+    from jspec.serve.server import BackgroundServer
 
     target, draft = tiny_pair
 

@@ -191,7 +191,7 @@ def test_warmup_progress_can_be_disabled(tiny_pair, tiny_llm, capsys):
 
 
 def test_chat_applies_the_template(tiny_llm):
-    from models.loader import apply_chat_template
+    from jspec.models.loader import apply_chat_template
 
     conversation = [{"role": "system", "content": "You are terse."},
                     {"role": "user", "content": "Hello, world!"}]

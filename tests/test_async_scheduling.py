@@ -13,7 +13,7 @@ import pytest
 from conftest import ENGINE_KW, make_engine, run_to_completion
 from jspec.sampling_params import SamplingParams
 from jspec.sequence import PENDING_TOKEN
-from policies.base import BatchView, DraftPlan, Policy
+from jspec.policies.base import BatchView, DraftPlan, Policy
 
 
 def _engine(engine_models, async_scheduling: bool, draft=False, **kw):

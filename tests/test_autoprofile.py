@@ -12,8 +12,8 @@ import pytest
 from conftest import make_engine, run_to_completion
 from jspec import autoprofile
 from jspec.sampling_params import SamplingParams
-from policies import make_policy
-from policies.profile import StepProfile, model_signature
+from jspec.policies import make_policy
+from jspec.policies.profile import StepProfile, model_signature
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 MAX_GAMMA = 7  # conftest.ENGINE_KW
@@ -95,7 +95,7 @@ def test_cache_off_measures_without_writing(engine_models, cache, monkeypatch):
 
 
 def test_a_given_profile_is_not_replaced(engine_models, cache):
-    from policies.profile import synthetic_profile
+    from jspec.policies.profile import synthetic_profile
 
     target, draft, _ = engine_models
     given = synthetic_profile()

@@ -215,7 +215,7 @@ def test_bad_engine_config(tiny_pair, overrides, message):
 
 def test_draft_with_another_vocabulary(tiny_pair, tmp_path):
     from jspec.llm import LLM
-    from models.tiny import DRAFT_OVERRIDES, write_tiny_checkpoint
+    from jspec.models.tiny import DRAFT_OVERRIDES, write_tiny_checkpoint
 
     target, _ = tiny_pair
     draft = write_tiny_checkpoint(tmp_path / "draft-520", "llama", seed=3, vocab_size=520,

@@ -30,7 +30,7 @@ def _timing_is_sane(cell, nbytes):
 
 
 def test_small_run_checks_every_kernel_on_the_requested_grid(capsys, tmp_path):
-    from pallas_kernels import backend as kb
+    from jspec.kernels import backend as kb
 
     out_json = tmp_path / "k.json"
     assert kernels.run(_parse(["--small", "--interpret", "--json", str(out_json)])) == 0
@@ -66,7 +66,7 @@ def test_a_wrong_kernel_is_reported(monkeypatch, capsys):
     nothing, posing as the reference."""
     import jax.numpy as jnp
 
-    from pallas_kernels import backend as kb
+    from jspec.kernels import backend as kb
 
     monkeypatch.setattr(kb, "attention_fn", lambda backend: (
         lambda q, k, v, layer, md, sm_scale: jnp.ones_like(q)))

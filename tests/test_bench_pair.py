@@ -6,7 +6,7 @@ import argparse
 import json
 
 from jspec.bench import pair
-from models.corpus import SourceFile, function_prompts
+from jspec.models.corpus import SourceFile, function_prompts
 
 SOURCE = '''
 import os

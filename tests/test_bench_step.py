@@ -9,8 +9,8 @@ import pytest
 from conftest import make_engine, run_to_completion
 from jspec.bench.step import measure_decode, measure_prefill
 from jspec.sampling_params import SamplingParams
-from policies import make_policy
-from policies.base import STAGES
+from jspec.policies import make_policy
+from jspec.policies.base import STAGES
 
 
 @pytest.fixture(scope="module")

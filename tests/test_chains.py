@@ -15,7 +15,7 @@ from jspec.device_steps import DraftResult, intermediate_accept
 from jspec.runner import LoadedModel, compile_events
 from jspec.sampler import processed_logprobs, rejection_sample
 from jspec.sampling_params import SamplingParams
-from policies.base import DraftPlan, Policy
+from jspec.policies.base import DraftPlan, Policy
 from test_sampling import _sampling_tensors, chi2_rejects
 
 MAX_TOKENS = 20
@@ -182,9 +182,9 @@ def test_build_engine_takes_a_pool_of_checkpoint_dirs(tiny_pair, tmp_path):
     directories, sorted by size; a pool model with another vocabulary is refused by name."""
     from jspec.cli_common import add_model_arguments
     from jspec.llm import build_engine
-    from models.loader import load_tokenizer
-    from models.tiny import write_tiny_checkpoint
-    from models.train import TINY_INTERMEDIATE
+    from jspec.models.loader import load_tokenizer
+    from jspec.models.tiny import write_tiny_checkpoint
+    from jspec.models.train import TINY_INTERMEDIATE
 
     target, draft = tiny_pair
     tok = load_tokenizer(target)

@@ -167,7 +167,7 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, tiny_pair, extra, message
 
 
 def test_bad_model_arguments(capsys, tiny_pair, tmp_path):
-    from models.tiny import DRAFT_OVERRIDES, write_tiny_checkpoint
+    from jspec.models.tiny import DRAFT_OVERRIDES, write_tiny_checkpoint
 
     target, draft = tiny_pair
     code, _, err = run_cli(capsys, "--draft", draft, "--no-progress")

@@ -19,8 +19,8 @@ def test_the_pair_ships_and_is_the_default():
 def test_sizes_dtype_and_cost_ratio():
     from safetensors import safe_open
 
-    from models.config import ModelConfig
-    from models.train import forward_flops_per_token
+    from jspec.models.config import ModelConfig
+    from jspec.models.train import forward_flops_per_token
 
     target_dir, draft_dir = shipped_pair()
     t = ModelConfig.from_json_file(os.path.join(target_dir, "config.json"))
@@ -39,8 +39,8 @@ def test_sizes_dtype_and_cost_ratio():
 def test_the_pool_ships_a_middle_model_within_the_size_budget():
     """SpecRouter's built-in pool: draft < mid < target in size and cost, one vocabulary, and
     everything shipped (weights, tokenizers, cards) within 40 MB."""
-    from models.config import ModelConfig
-    from models.train import forward_flops_per_token
+    from jspec.models.config import ModelConfig
+    from jspec.models.train import forward_flops_per_token
 
     mid_dir = shipped_intermediate()
     assert mid_dir is not None, f"no middle model under {SHIPPED_DIR}"
@@ -57,7 +57,7 @@ def test_the_pool_ships_a_middle_model_within_the_size_budget():
 
 
 def test_tokenizer_is_shared_and_round_trips():
-    from models.loader import load_tokenizer
+    from jspec.models.loader import load_tokenizer
 
     target_dir, draft_dir = shipped_pair()
     t, d = load_tokenizer(target_dir), load_tokenizer(draft_dir)
@@ -68,11 +68,11 @@ def test_tokenizer_is_shared_and_round_trips():
 def test_draft_agrees_with_target_on_held_out_code():
     import jax.numpy as jnp
 
-    from models.corpus import (discover, heldout_function_prompts, pack, read_texts,
+    from jspec.models.corpus import (discover, heldout_function_prompts, pack, read_texts,
                                split_files, tokenize_documents)
-    from models.loader import load_checkpoint, load_tokenizer
-    from models.modeling import params_for_module
-    from models.train import greedy_agreement
+    from jspec.models.loader import load_checkpoint, load_tokenizer
+    from jspec.models.modeling import params_for_module
+    from jspec.models.train import greedy_agreement
 
     target_dir, draft_dir = shipped_pair()
     tok = load_tokenizer(target_dir)

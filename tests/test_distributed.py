@@ -12,7 +12,7 @@ import pytest
 from conftest import make_engine
 from jspec.distributed import LeaderStopped, StepSync, follow
 from jspec.sampling_params import SamplingParams
-from policies.base import DraftPlan, Policy
+from jspec.policies.base import DraftPlan, Policy
 
 
 class MemoryStore:

@@ -13,8 +13,8 @@ from jspec import runner
 from jspec.block_manager import BlockManager
 from jspec.elastic import DraftState, ElasticMemory, extension_blocks
 from jspec.sampling_params import SamplingParams
-from policies.base import DraftPlan
-from policies.static import StaticPolicy
+from jspec.policies.base import DraftPlan
+from jspec.policies.static import StaticPolicy
 from test_block_manager import BlockManagerMachine
 
 

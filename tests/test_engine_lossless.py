@@ -9,8 +9,8 @@ import pytest
 
 from conftest import make_engine, run_to_completion
 from jspec.sampling_params import SamplingParams
-from models.transformer import dense_forward
-from policies.base import DraftPlan, Policy
+from jspec.models.transformer import dense_forward
+from jspec.policies.base import DraftPlan, Policy
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

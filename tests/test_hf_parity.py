@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models.loader import load_checkpoint  # noqa: E402
-from models.tiny import write_tiny_checkpoint  # noqa: E402
-from models.transformer import KVCache, ModelInput, dense_forward, forward  # noqa: E402
-from pallas_kernels.ragged_paged_attention import AttentionMetadata  # noqa: E402
+from jspec.models.loader import load_checkpoint  # noqa: E402
+from jspec.models.tiny import write_tiny_checkpoint  # noqa: E402
+from jspec.models.transformer import KVCache, ModelInput, dense_forward, forward  # noqa: E402
+from jspec.kernels.ragged_paged_attention import AttentionMetadata  # noqa: E402
 
 MAX_ABS_ERR = 1e-4
 PROMPT_LEN = 40
@@ -106,8 +106,8 @@ def test_logits_match_transformers(tmp_path, tiny_tokenizer, case):
 def test_scaling_and_window_matter():
     """The rope-scaling and sliding-window parity cases would catch a model that ignored them:
     our logits with the feature switched off differ from those with it on."""
-    from models.params import init_params
-    from models.tiny import TINY_INIT_STD, tiny_config
+    from jspec.models.params import init_params
+    from jspec.models.tiny import TINY_INIT_STD, tiny_config
 
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 512, PROMPT_LEN))
     for model_type, key in (("llama", "llama-llama3-rope-bias"), ("mistral", "mistral-window8")):

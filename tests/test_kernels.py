@@ -17,15 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import backend
-from pallas_kernels.kv_migration import (
+from jspec.kernels import backend
+from jspec.kernels.kv_migration import (
     compaction_plan,
     migrate_blocks,
     migrate_blocks_reference,
     pad_pairs,
     validate_pairs,
 )
-from pallas_kernels.ragged_paged_attention import (
+from jspec.kernels.ragged_paged_attention import (
     AttentionMetadata,
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -231,7 +231,7 @@ def test_a_bound_on_new_tokens_gives_one_tile_per_sequence_and_the_same_attentio
     """A decode-only verification (every sequence at most γ + 1 = 5 tokens, a padding row, flat
     padding tokens): with ``max_q_len`` the tiled path and the kernel plan one tile per sequence
     (the ragged bound plans ceil(T / q_block) + S) and still match the per-token oracle."""
-    from pallas_kernels.ragged_paged_attention import _tile_plan
+    from jspec.kernels.ragged_paged_attention import _tile_plan
 
     kernel_dtype = CASES[name][5]
     head_dim, block_size, window = CASES[name][2], CASES[name][3], CASES[name][6]
@@ -271,7 +271,7 @@ def test_attention_over_a_segmented_pool_equals_the_one_array_pool(name):
 
 
 def test_segment_writes_land_in_the_segment_that_holds_the_block():
-    from pallas_kernels import segments
+    from jspec.kernels import segments
 
     pool = jnp.zeros((2, 6, 4, 1, 2), jnp.float32)
     blocks = jnp.asarray([1, 4, 5, 0], jnp.int32)
@@ -409,7 +409,7 @@ def test_engine_on_the_interpreted_kernel_is_lossless(engine_models):
     run on the reference attention."""
     from conftest import make_engine, run_to_completion
     from jspec.sampling_params import SamplingParams
-    from policies.static import StaticPolicy
+    from jspec.policies.static import StaticPolicy
 
     target, draft, _ = engine_models
     prompts = [list(range(5, 45)), [7], list(range(100, 117))]

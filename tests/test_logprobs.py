@@ -13,8 +13,8 @@ import pytest
 from conftest import make_engine, run_to_completion
 from jspec.config import EngineConfig
 from jspec.sampling_params import SamplingParams
-from models.transformer import dense_forward
-from policies.static import StaticPolicy
+from jspec.models.transformer import dense_forward
+from jspec.policies.static import StaticPolicy
 
 K = 3
 

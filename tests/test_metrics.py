@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jspec.metrics import EngineMetrics
-from policies.base import batch_bucket
+from jspec.policies.base import batch_bucket
 
 
 def test_record_spec_counts_what_a_loop_over_sequences_counts():

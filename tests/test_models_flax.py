@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.modeling import Decoder, params_for_module, params_for_serving
-from models.params import init_params, param_shapes
-from models.tiny import tiny_config
-from models.transformer import dense_forward
+from jspec.models.modeling import Decoder, params_for_module, params_for_serving
+from jspec.models.params import init_params, param_shapes
+from jspec.models.tiny import tiny_config
+from jspec.models.transformer import dense_forward
 
 
 @pytest.mark.parametrize("model_type,tied", [("qwen2", True), ("llama", False)])

@@ -22,10 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.params import init_params
-from models.tiny import TINY_INIT_STD, tiny_config
-from models.transformer import KVCache, ModelInput, dense_forward, forward
-from pallas_kernels.ragged_paged_attention import (
+from jspec.models.params import init_params
+from jspec.models.tiny import TINY_INIT_STD, tiny_config
+from jspec.models.transformer import KVCache, ModelInput, dense_forward, forward
+from jspec.kernels.ragged_paged_attention import (
     AttentionMetadata,
     ragged_paged_attention_reference,
 )

@@ -14,16 +14,16 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import ModelConfig
-from models.loader import (
+from jspec.models.config import ModelConfig
+from jspec.models.loader import (
     apply_chat_template,
     iter_checkpoint_files,
     load_checkpoint,
     load_tokenizer,
     save_checkpoint,
 )
-from models.params import init_params, param_shapes
-from models.tiny import (
+from jspec.models.params import init_params, param_shapes
+from jspec.models.tiny import (
     EOS_ID,
     IM_END_ID,
     TINY_INIT_STD,
@@ -31,7 +31,7 @@ from models.tiny import (
     tiny_config,
     write_tiny_checkpoint,
 )
-from models.transformer import dense_forward
+from jspec.models.transformer import dense_forward
 
 dense = jax.jit(dense_forward, static_argnames=("cfg",))
 PROMPT = jnp.asarray(np.random.default_rng(0).integers(0, TOKENIZER_VOCAB_SIZE, 24))

@@ -16,10 +16,10 @@ import json
 import numpy as np
 import pytest
 
-from policies.adaspec import AdaSpecPolicy, cumulative_confidence
-from policies.base import expected_tokens
-from policies.dsd import DSDPolicy
-from policies.profile import StepProfile, synthetic_profile
+from jspec.policies.adaspec import AdaSpecPolicy, cumulative_confidence
+from jspec.policies.base import expected_tokens
+from jspec.policies.dsd import DSDPolicy
+from jspec.policies.profile import StepProfile, synthetic_profile
 from policy_helpers import make_outcome, make_stats, make_view
 
 

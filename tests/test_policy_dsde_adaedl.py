@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from policies.adaedl import AdaEDLPolicy, entropy_threshold, stop_rule
-from policies.dsde import (DSDEPolicy, calibrate_sl_max, predict_sl, scale_factor,
+from jspec.policies.adaedl import AdaEDLPolicy, entropy_threshold, stop_rule
+from jspec.policies.dsde import (DSDEPolicy, calibrate_sl_max, predict_sl, scale_factor,
                            weighted_variance, wvir)
 from policy_helpers import make_outcome, make_view
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policies.base import batch_bucket
-from policies.nightjar import NightjarPolicy
-from policies.profile import StepProfile, synthetic_profile
+from jspec.policies.base import batch_bucket
+from jspec.policies.nightjar import NightjarPolicy
+from jspec.policies.profile import StepProfile, synthetic_profile
 from policy_helpers import SyntheticEnv, make_outcome, make_view
 
 # goodput (tokens/s) per γ = 0..4: at B = 1 speculation wins and γ = 4 is best; at B = 32 the
@@ -582,14 +582,14 @@ def test_bad_options_raise_clear_errors(kwargs, message):
 
 def test_policies_do_not_import_jax():
     code = ("import sys\n"
-            "import policies.nightjar, policies.ucb, policies.heuristic\n"
-            "assert 'jax' not in sys.modules and 'jspec' not in sys.modules\n")
+            "import jspec.policies.nightjar, jspec.policies.ucb, jspec.policies.heuristic\n"
+            "assert 'jax' not in sys.modules and 'jspec.engine' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
 def test_auto_is_nightjar_under_its_own_name():
-    from policies import make_policy
-    from policies.auto import AutoPolicy
+    from jspec.policies import make_policy
+    from jspec.policies.auto import AutoPolicy
 
     p = make_policy("auto", 4)
     assert isinstance(p, AutoPolicy) and isinstance(p, NightjarPolicy)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from policies.profile import StepProfile, interpolate, load_profile, synthetic_profile
+from jspec.policies.profile import StepProfile, interpolate, load_profile, synthetic_profile
 
 
 def _profile():
@@ -81,8 +81,8 @@ def test_synthetic_profile_grows_with_load():
 
 def test_jspec_profile_command_on_the_tiny_pair(tiny_pair, tmp_path, capsys):
     from jspec.cli import main
-    from policies.profile import model_signature
-    from models.config import ModelConfig
+    from jspec.policies.profile import model_signature
+    from jspec.models.config import ModelConfig
 
     out = tmp_path / "profile.json"
     code = main(["profile", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--out", str(out),

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from policies.heuristic import HeuristicPolicy
-from policies.ucb import UCBPolicy
+from jspec.policies.heuristic import HeuristicPolicy
+from jspec.policies.ucb import UCBPolicy
 from policy_helpers import SyntheticEnv, make_outcome, make_view
 
 TABLE = {1: [100, 140, 165, 180, 190], 32: [1000, 850, 750, 650, 600]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.prefill_cost import PrefillCost
+from jspec.policies.prefill_cost import PrefillCost
 from policy_helpers import make_outcome, make_view
 
 A, B = 0.02, 0.0005  # seconds per step and per token of the forward's width

@@ -13,7 +13,7 @@ from conftest import make_engine, run_to_completion
 from jspec.sampler import (SIGNALS, SamplingTensors, processed_logprobs, rejection_sample,
                            row_uniforms, sample_tokens, verify_signals)
 from jspec.sampling_params import SamplingParams
-from models.transformer import dense_forward
+from jspec.models.transformer import dense_forward
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import LLM_KW, llm_cli_args
 from jspec.sampling_params import SamplingParams
-from serve.metrics import VLLM_METRICS
+from jspec.serve.metrics import VLLM_METRICS
 from serve_helpers import MODEL, TIMEOUT, http, start_server, wait_idle
 
 API_KEY = "test-key"

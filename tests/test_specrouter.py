@@ -12,9 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from policies import POLICIES, make_policy
-from policies.base import StepOutcome
-from policies.specrouter import (TARGET, SpecRouterPolicy, chain_effective_time, chain_key,
+from jspec.policies import POLICIES, make_policy
+from jspec.policies.base import StepOutcome
+from jspec.policies.specrouter import (TARGET, SpecRouterPolicy, chain_effective_time, chain_key,
                                  chain_tokens, pair_key)
 from policy_helpers import make_view
 

@@ -152,7 +152,7 @@ def test_serving_bench_synthetic_shape(monkeypatch, tmp_path):
     the 0.5B one, which is too slow for the suite) and labels the results."""
     from jspec import synthetic
     from jspec.bench import serving
-    from models.tiny import DRAFT_OVERRIDES, tiny_config
+    from jspec.models.tiny import DRAFT_OVERRIDES, tiny_config
 
     shape = (tiny_config("llama", vocab_size=4096), tiny_config("llama", vocab_size=4096,
                                                                 **DRAFT_OVERRIDES))

@@ -102,7 +102,7 @@ def test_model_step_bench_reports_bytes_per_device(report):
 def test_errors_name_the_problem(engine_models):
     from jspec.config import EngineConfig
     from jspec.engine import LLMEngine
-    from models.sharding import make_mesh
+    from jspec.models.sharding import make_mesh
 
     target, _, small = engine_models
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
@@ -117,7 +117,7 @@ def test_errors_name_the_problem(engine_models):
 
 
 def test_shard_major_gives_each_device_its_own_heads(engine_models):
-    from models.sharding import shard_major
+    from jspec.models.sharding import shard_major
 
     cfg, params = engine_models[0].cfg, engine_models[0].params
     layers = {k: np.asarray(v) for k, v in params["layers"].items()}

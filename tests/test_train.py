@@ -13,7 +13,7 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def stdlib_split():
-    from models.corpus import discover, split_files
+    from jspec.models.corpus import discover, split_files
 
     return split_files(discover(include_tests=False))
 
@@ -21,8 +21,8 @@ def stdlib_split():
 @pytest.fixture(scope="module")
 def data(stdlib_split):
     """(tokenizer, train windows, held-out windows) from the first 25 train files."""
-    from models.corpus import pack, read_texts, tokenize_documents
-    from models.tokenizer_train import train_tokenizer
+    from jspec.models.corpus import pack, read_texts, tokenize_documents
+    from jspec.models.tokenizer_train import train_tokenizer
 
     train_files, held_files = stdlib_split
     texts = read_texts(train_files[:25])
@@ -34,7 +34,7 @@ def data(stdlib_split):
 
 @pytest.fixture(scope="module")
 def trained_target(data):
-    from models.train import TrainConfig, config_for, init_params, train
+    from jspec.models.train import TrainConfig, config_for, init_params, train
 
     _, windows, _ = data
     cfg = config_for("tiny", "target", VOCAB)
@@ -47,8 +47,8 @@ def trained_target(data):
 def test_tokenizer_round_trip_and_reload(data, stdlib_split, tmp_path):
     from transformers import AutoTokenizer
 
-    from models.tiny import SPECIAL_TOKENS
-    from models.tokenizer_train import save_tokenizer
+    from jspec.models.tiny import SPECIAL_TOKENS
+    from jspec.models.tokenizer_train import save_tokenizer
 
     tok, _, _ = data
     assert len(tok) == VOCAB
@@ -66,7 +66,7 @@ def test_tokenizer_round_trip_and_reload(data, stdlib_split, tmp_path):
 
 
 def test_corpus_discovery_and_split(stdlib_split):
-    from models.corpus import discover, is_held_out, split_files
+    from jspec.models.corpus import discover, is_held_out, split_files
 
     train, held = stdlib_split
     files = discover(include_tests=False)
@@ -87,7 +87,7 @@ def test_corpus_discovery_and_split(stdlib_split):
 
 
 def test_packing_and_batches():
-    from models.corpus import batch_indices, pack
+    from jspec.models.corpus import batch_indices, pack
 
     docs = [np.arange(10, 10 + n, dtype=np.int32) for n in (5, 7, 3, 11)]
     w = pack(docs, 6, eos_id=2, seed=1)
@@ -106,7 +106,7 @@ def test_packing_and_batches():
 
 # ----------------------------------------------------------------------------- training
 def test_training_lowers_loss(data, trained_target):
-    from models.train import eval_loss
+    from jspec.models.train import eval_loss
 
     _, windows, held = data
     cfg, _, init, trained = trained_target
@@ -118,7 +118,7 @@ def test_training_lowers_loss(data, trained_target):
 def test_checkpoint_round_trip_and_resume(data, tmp_path):
     import jax
 
-    from models.train import (TrainConfig, _manager, config_for, init_state, restore_state,
+    from jspec.models.train import (TrainConfig, _manager, config_for, init_state, restore_state,
                               save_state, train)
 
     _, windows, _ = data
@@ -154,7 +154,7 @@ def test_checkpoint_round_trip_and_resume(data, tmp_path):
 
 
 def test_distillation_raises_acceptance(data, trained_target):
-    from models.train import TrainConfig, config_for, greedy_agreement, init_params, train
+    from jspec.models.train import TrainConfig, config_for, greedy_agreement, init_params, train
 
     _, windows, held = data
     t_cfg, _, _, t_params = trained_target
@@ -171,9 +171,9 @@ def test_export_then_load_gives_same_logits(data, trained_target, tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from models.loader import load_checkpoint, load_tokenizer
-    from models.train import batch_logits, export_hf
-    from models.transformer import dense_forward
+    from jspec.models.loader import load_checkpoint, load_tokenizer
+    from jspec.models.train import batch_logits, export_hf
+    from jspec.models.transformer import dense_forward
 
     tok, _, held = data
     cfg, _, _, params = trained_target
@@ -188,7 +188,7 @@ def test_export_then_load_gives_same_logits(data, trained_target, tmp_path):
 
 
 def test_default_pair_sizes():
-    from models.train import config_for, forward_flops_per_token
+    from jspec.models.train import config_for, forward_flops_per_token
 
     t, d = config_for("default", "target"), config_for("default", "draft")
     assert t.num_params() >= 10_000_000
@@ -238,7 +238,7 @@ def test_distill_cli_on_self_generated_data(data, trained_target, tmp_path, caps
 
     from jspec.cli import main
     from jspec.self_distill import generate_sequences
-    from models.train import config_for, export_hf, init_params
+    from jspec.models.train import config_for, export_hf, init_params
 
     tok, _, _ = data
     t_cfg, _, _, t_params = trained_target

@@ -92,7 +92,7 @@ def test_progress_reports_this_call_not_the_engines_lifetime(tiny_llm):
 
 def test_a_bad_policy_option_names_itself(capsys):
     from jspec.cli import main
-    from policies import make_policy
+    from jspec.policies import make_policy
 
     with pytest.raises(ValueError, match="static option gamma must be an integer, got 'abc'"):
         make_policy("static", 4, gamma="abc")
@@ -107,7 +107,7 @@ def test_transformers_notices_stay_silent(tiny_pair):
     prompt longer than the tokenizer's nominal maximum encodes without transformers' warning
     (the engine checks lengths itself)."""
     target, _ = tiny_pair
-    code = ("from models.loader import load_tokenizer\n"
+    code = ("from jspec.models.loader import load_tokenizer\n"
             f"tok = load_tokenizer({str(target)!r})\n"
             "ids = tok.encode('def f(x): return x ' * 3000)\n"
             "assert len(ids) > 5000\n")
@@ -120,7 +120,7 @@ def test_transformers_notices_stay_silent(tiny_pair):
 
 
 def test_held_out_prompts_parse_without_warnings(tmp_path):
-    from models.corpus import function_prompts
+    from jspec.models.corpus import function_prompts
 
     class Source:
         def read(self):

@@ -22,8 +22,8 @@ from jspec.config import EngineConfig
 from jspec.engine import LLMEngine
 from jspec.runner import LoadedModel, compile_events
 from jspec.sampling_params import SamplingParams
-from models.params import init_params
-from models.tiny import DRAFT_OVERRIDES, tiny_config
+from jspec.models.params import init_params
+from jspec.models.tiny import DRAFT_OVERRIDES, tiny_config
 
 # few shapes (and no logprobs buckets): every engine below compiles its buckets anew
 ENGINE_KW = dict(dtype="float32", max_num_seqs=2, max_model_len=96, max_num_batched_tokens=16,
@@ -48,10 +48,10 @@ def pallas_under_shard_map(vocab: int = VOCAB, tp: int = 2, backend: str = "inte
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from models import sharding
-    from models.transformer import KVCache, ModelInput, forward
-    from pallas_kernels.backend import attention_fn
-    from pallas_kernels.ragged_paged_attention import AttentionMetadata
+    from jspec.models import sharding
+    from jspec.models.transformer import KVCache, ModelInput, forward
+    from jspec.kernels.backend import attention_fn
+    from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
     cfg = tiny_config("qwen2", vocab_size=vocab, num_heads=8, num_kv_heads=4)
     params = init_params(cfg, seed=3, std=0.2)

@@ -78,7 +78,7 @@ def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype,
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.ragged_paged_attention import AttentionMetadata
+    from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
     rng = np.random.default_rng(seed)
     h, kvh, d = ATTN_SHAPE["num_heads"], ATTN_SHAPE["kv_heads"], ATTN_SHAPE["head_dim"]
@@ -113,7 +113,7 @@ def migration_case(layers: int, blocks: int, block_size: int, dtype, seed: int =
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.kv_migration import pad_pairs, validate_pairs
+    from jspec.kernels.kv_migration import pad_pairs, validate_pairs
 
     kvh, d = ATTN_SHAPE["kv_heads"], ATTN_SHAPE["head_dim"]
     num_blocks = 2 * blocks + 1
@@ -156,8 +156,8 @@ def measure(args: argparse.Namespace) -> dict:
     import numpy as np
     from tqdm.auto import tqdm
 
-    from pallas_kernels import backend as kb
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+    from jspec.kernels import backend as kb
+    from jspec.kernels.ragged_paged_attention import ragged_paged_attention_reference
 
     if args.small:
         args.batch_sizes, args.query_lens, args.contexts = [1, 2], [1, 4], [64]

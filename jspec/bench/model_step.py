@@ -84,7 +84,7 @@ def measure_bandwidth(num_bytes: int, repeats: int) -> float:
 def weight_bytes_per_step(params: dict) -> int:
     """Bytes of weights a step must read: everything except the embedding table, of which only
     the looked-up rows are touched (a tied model keeps a separate [hidden, vocab] head copy)."""
-    from models.params import params_nbytes
+    from jspec.models.params import params_nbytes
 
     embed = params["embed"]
     return params_nbytes(params) - embed.size * embed.dtype.itemsize
@@ -97,8 +97,8 @@ def make_batch(batch: int, query_len: int, context: int, block_size: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from models.transformer import ModelInput
-    from pallas_kernels.ragged_paged_attention import AttentionMetadata
+    from jspec.models.transformer import ModelInput
+    from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
     tokens = batch * query_len
     padded = max(2, tokens)
@@ -155,8 +155,8 @@ class ForwardTimer:
     def __call__(self, batch_size: int, query_len: int, context: int) -> float:
         from jax.sharding import NamedSharding
 
-        from models import sharding
-        from models.transformer import KVCache
+        from jspec.models import sharding
+        from jspec.models.transformer import KVCache
 
         batch, num_blocks = make_batch(batch_size, query_len, context, self.block_size)
         where = None if self.mesh is None else NamedSharding(self.mesh, self.kv_spec)
@@ -213,8 +213,8 @@ def measure(args: argparse.Namespace) -> dict:
     (dtype, model): ``{"dtype", "model", "config", "weight_bytes", "seconds": {(B, q): s}}``."""
     import jax.numpy as jnp
 
-    from models.config import ModelConfig
-    from models.params import params_nbytes
+    from jspec.models.config import ModelConfig
+    from jspec.models.params import params_nbytes
 
     if args.small:
         target_shape, draft_shape = SMALL_TARGET, SMALL_DRAFT
@@ -234,7 +234,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     import jax
 
-    from models import sharding
+    from jspec.models import sharding
 
     mesh = sharding.make_mesh(args.tensor_parallel_size)
     if mesh is not None:

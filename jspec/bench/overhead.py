@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from jspec.engine import LLMEngine
     from jspec.runner import LoadedModel
     from jspec.sampling_params import SamplingParams
-    from models.params import init_params
-    from models.tiny import DRAFT_OVERRIDES, tiny_config
+    from jspec.models.params import init_params
+    from jspec.models.tiny import DRAFT_OVERRIDES, tiny_config
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     vocab = 512

@@ -1,7 +1,7 @@
 """`jspec bench pair`: how well a draft serves its target, on held-out code prompts.
 
 Prompts are the signatures + docstrings of the functions in the held-out split of the stdlib
-corpus (``models.corpus.heldout_function_prompts``: modules the default pair never trained on).
+corpus (``jspec.models.corpus.heldout_function_prompts``: modules the default pair never trained on).
 The pair generates greedy completions with a fixed γ (static policy, default 4) through the real
 engine; the report gives the acceptance rate (accepted / drafted), the mean accepted length per
 speculative step (accepted + 1), acceptance by draft position, and the share of completions
@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from jspec.sampling_params import SamplingParams
-    from models.corpus import heldout_function_prompts
-    from models.train import forward_flops_per_token
+    from jspec.models.corpus import heldout_function_prompts
+    from jspec.models.train import forward_flops_per_token
 
     if args.gamma < 1 or args.num_prompts < 1 or args.max_tokens < 1:
         raise ValueError("--gamma, --num-prompts and --max-tokens must be >= 1")

@@ -263,7 +263,7 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
     """[{"label", "name", "options"}] from --policy items and --policy-option entries; every
     policy is built once here so a bad name or option fails before any model loads."""
     from jspec.cli_common import parse_option_value
-    from policies import POLICIES, make_policy
+    from jspec.policies import POLICIES, make_policy
 
     common: dict[str, Any] = {}
     targeted: dict[str, dict[str, Any]] = {}
@@ -1006,7 +1006,7 @@ def run(args: argparse.Namespace) -> int:
     max_model_len = first.rc.max_model_len
     # what a conversation may grow to (prompt + output): the same for every policy's engine
     context_limit = args.context_limit_resolved = first.limits.context_limit
-    from policies.profile import model_signature
+    from jspec.policies.profile import model_signature
 
     model_info = {"target_model": model_signature(first.target.cfg),
                   "draft_model": model_signature(first.draft.cfg) if first.draft else None,

@@ -10,7 +10,7 @@ sequence past its prompt) and the benchmark prints, per step:
   executable replayed on the same inputs right after the step);
 * ``draft``: the bare draft loop on the same inputs (0 at γ = 0);
 * ``step / (fwd + draft)``: the engine's own overhead as a ratio (1.00 = none);
-* the share of each stage (``policies.base.STAGES``) in a second pass whose device stages are
+* the share of each stage (``jspec.policies.base.STAGES``) in a second pass whose device stages are
   synced (``LLMEngine.time_stages``, which also commits every step before the next), so the
   verify forward, sampling/acceptance and signals are told apart.
 

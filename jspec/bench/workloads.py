@@ -11,7 +11,7 @@ directory's README for provenance and licences):
 * ``sharegpt``: the ShareGPT JSON subset (``ShareGPT_V3_filtered_500.json``): the first turn
   whose ``from`` is ``human``.
 * ``code``: signatures + docstrings of the functions in the default pair's held-out split of the
-  stdlib corpus (``models.corpus.heldout_function_prompts``); no file.
+  stdlib corpus (``jspec.models.corpus.heldout_function_prompts``); no file.
 * ``multiturn``: conversations (``load_conversations``), from a ShareGPT-format file (default:
   the same ``ShareGPT_V3_filtered_500.json``). An entry with several human turns is one
   conversation, its human turns in order (the ``gpt`` replies are dropped: the engine's own
@@ -273,7 +273,7 @@ def load_conversations(path: str | os.PathLike | None = None,
 
 
 def load_code(limit: int | None = None) -> list[Prompt]:
-    from models.corpus import heldout_function_prompts
+    from jspec.models.corpus import heldout_function_prompts
 
     texts = heldout_function_prompts(limit)
     if not texts:
