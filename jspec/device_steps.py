@@ -146,7 +146,7 @@ def verify_forward(
 ) -> tuple[jax.Array, KVCache]:
     """One target pass over the ragged batch; returns logits [S*(G+1), V]. ``mesh``: the
     tensor-parallel mesh the params and pool are sharded over; ``batch_invariant``: logits
-    independent of the batch (both models.transformer.forward's).
+    independent of the batch (both jspec.models.transformer.forward's).
 
     The host built ``batch`` before the draft ran, with placeholders where drafted tokens go;
     ``draft_slots [S, G]`` says which flat token each drafted token fills (out-of-range = not

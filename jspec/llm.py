@@ -177,7 +177,7 @@ def check_same_vocabulary(tokenizer, target, path: str | os.PathLike, draft, whi
     and the target rejects them: output stays the target's, speculation just stops paying,
     silently). Compared by content, token -> id, against the draft directory's own tokenizer
     files; a directory without them can only be compared by size (``LLMEngine`` does that)."""
-    from models.loader import has_tokenizer, load_tokenizer
+    from jspec.models.loader import has_tokenizer, load_tokenizer
 
     if draft.cfg.vocab_size != target.cfg.vocab_size or not has_tokenizer(path):
         return  # the engine refuses other sizes, naming both

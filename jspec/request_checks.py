@@ -131,7 +131,7 @@ def render_chat(tokenizer, messages: list[dict[str, str]], param: str = "message
                 ) -> list[int]:
     """Token ids of checked ``messages`` rendered with the tokenizer's chat template; a
     template that is missing or refuses the conversation is a RequestError naming ``param``."""
-    from models.loader import apply_chat_template
+    from jspec.models.loader import apply_chat_template
 
     if tokenizer is None:
         raise RequestError(param, "there is no tokenizer, so no chat template to apply; give "

@@ -25,13 +25,13 @@ from jspec import device_steps
 from jspec.config import ResolvedConfig, resolve_elastic_pool_layout
 from jspec.sampler import (SamplingTensors, TokenLogprobs, VerifyResult, rejection_sample,
                            sample_tokens, token_logprobs, verify_signals)
-from models import sharding
-from models.config import ModelConfig
-from models.transformer import KVCache, ModelInput, forward
-from pallas_kernels import backend as kernel_backend
-from pallas_kernels import batch_invariance
-from pallas_kernels.kv_migration import pad_pairs, validate_pairs
-from pallas_kernels.ragged_paged_attention import AttentionMetadata
+from jspec.models import sharding
+from jspec.models.config import ModelConfig
+from jspec.models.transformer import KVCache, ModelInput, forward
+from jspec.kernels import backend as kernel_backend
+from jspec.kernels import batch_invariance
+from jspec.kernels.kv_migration import pad_pairs, validate_pairs
+from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
 # ----------------------------------------------------------------------------- compile tracking
 _compile_lock = threading.Lock()

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from models import sharding
-from models.config import ModelConfig
-from pallas_kernels import segments
-from pallas_kernels.batch_invariance import pad_rows
-from pallas_kernels.pytree import array_dataclass
-from pallas_kernels.ragged_paged_attention import (
+from jspec.models import sharding
+from jspec.models.config import ModelConfig
+from jspec.kernels import segments
+from jspec.kernels.batch_invariance import pad_rows
+from jspec.kernels.pytree import array_dataclass
+from jspec.kernels.ragged_paged_attention import (
     AttentionMetadata,
     ragged_paged_attention_tiled,
     token_sequence_ids,
@@ -179,7 +179,7 @@ def forward(
     """Returns (logits [R, vocab] float32, updated kv). Pure; jit with ``kv`` donated.
 
     ``batch_invariant``: a token's logits do not depend on the rest of the batch (every dot
-    runs over at least ``MIN_DOT_ROWS`` rows: ``pallas_kernels.batch_invariance``); pass an
+    runs over at least ``MIN_DOT_ROWS`` rows: ``jspec.kernels.batch_invariance``); pass an
     attention function made batch-invariant too.
 
     With ``return_hidden`` the final-norm hidden states at the logits rows are returned too
@@ -222,7 +222,7 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
              attention_fn: AttentionFn, return_hidden: bool, axis: str | None = None,
              batch_invariant: bool = False):
     """``forward`` on one device; under ``shard_map`` (``axis`` named) on this device's share:
-    ``cfg`` is then models.sharding.local_config's, the params and pool are local slices."""
+    ``cfg`` is then jspec.models.sharding.local_config's, the params and pool are local slices."""
     num_rows = batch.logits_indices.shape[0]
     if batch_invariant:  # padding tokens sit past cu_q_lens[-1]: they write to the null block
         md = batch.attn

@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import segments as seg
-from pallas_kernels.batch_invariance import min_q_block
-from pallas_kernels.pytree import array_dataclass
+from jspec.kernels import segments as seg
+from jspec.kernels.batch_invariance import min_q_block
+from jspec.kernels.pytree import array_dataclass
 
 _MASKED = -1e30  # finite, so fully masked chunks never produce inf - inf
 
@@ -210,7 +210,7 @@ def ragged_paged_attention_tiled(
     (a decode-only verification: γ + 1). The tile is then that long and there is one tile per
     sequence, where the general bound would gather the context of up to ``T / q_block`` more.
     ``batch_invariant``: every token attends with the same arithmetic whatever its batch
-    (``pallas_kernels.batch_invariance``): tiles of at least ``MIN_DOT_ROWS`` rows, and never
+    (``jspec.kernels.batch_invariance``): tiles of at least ``MIN_DOT_ROWS`` rows, and never
     the per-token path, which computes in float32.
     """
     num_tokens, num_heads, head_dim = q.shape

@@ -231,7 +231,7 @@ def test_draft_tokenizer_with_two_entries_swapped(tiny_pair, tmp_path):
     import shutil
 
     from jspec.llm import LLM
-    from models.loader import load_tokenizer
+    from jspec.models.loader import load_tokenizer
 
     target, draft = tiny_pair
     swapped = shutil.copytree(draft, tmp_path / "draft-swapped")

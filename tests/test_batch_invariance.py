@@ -17,8 +17,8 @@ import pytest
 from conftest import ENGINE_KW, make_engine, run_to_completion
 from jspec.runner import LoadedModel
 from jspec.sampling_params import SamplingParams
-from pallas_kernels.batch_invariance import MIN_DOT_ROWS, min_q_block, pad_rows
-from policies import make_policy
+from jspec.kernels.batch_invariance import MIN_DOT_ROWS, min_q_block, pad_rows
+from jspec.policies import make_policy
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -129,7 +129,7 @@ def test_speculative_alone_equals_plain_alone(bf16_models, prompts, plain_alone)
 
 
 def test_the_backend_probe_passes_here_and_names_what_differs(monkeypatch):
-    from pallas_kernels import batch_invariance
+    from jspec.kernels import batch_invariance
 
     assert batch_invariance.probe_dots("bfloat16", 64, 192) is None
     # a backend whose dots changed order past 4 rows would be named, with the shapes

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from serve.client import RequestResult, RequestSpec, percentile, run_requests, summarize
+from jspec.serve.client import RequestResult, RequestSpec, percentile, run_requests, summarize
 from serve_helpers import (MODEL, SMALL_SERVE_ARGS, TIMEOUT, ServeProcess, http, start_server,
                            wait_idle, wait_until)
 

@@ -125,16 +125,16 @@ class ForwardTimer:
 
     def __init__(self, cfg, params, kv_dtype, block_size: int, repeats: int, mesh=None,
                  shard: bool = True, batch_invariant: bool = False):
-        """``mesh``: a tensor-parallel mesh (models.sharding.make_mesh); the model is split over
+        """``mesh``: a tensor-parallel mesh (jspec.models.sharding.make_mesh); the model is split over
         it (``shard``, the target's case) or replicated on it (a draft's). ``batch_invariant``:
         the engine's deterministic numerics (with the jnp attention)."""
         import functools
 
         import jax
 
-        from models import sharding
-        from models.transformer import forward
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tiled
+        from jspec.models import sharding
+        from jspec.models.transformer import forward
+        from jspec.kernels.ragged_paged_attention import ragged_paged_attention_tiled
 
         if mesh is not None:
             params = (sharding.shard_params(params, cfg, mesh) if shard
