@@ -281,7 +281,8 @@ def _tile_plan(md: AttentionMetadata, num_tokens: int, q_block: int, block_size:
     ``S * ceil(max_q_len / q_block)`` when no sequence brings more than ``max_q_len`` tokens.
     """
     num_seqs = md.kv_lens.shape[0]
-    num_tiles = -(-num_tokens // q_block) + num_seqs
+    # a sequence's last tile may be partial, hence + S; one-token tiles are never partial
+    num_tiles = num_tokens if q_block == 1 else -(-num_tokens // q_block) + num_seqs
     if max_q_len is not None:
         num_tiles = min(num_tiles, num_seqs * -(-max_q_len // q_block))
     q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]

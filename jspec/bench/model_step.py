@@ -124,10 +124,13 @@ class ForwardTimer:
     by this benchmark, `jspec bench pair` and `jspec profile`."""
 
     def __init__(self, cfg, params, kv_dtype, block_size: int, repeats: int, mesh=None,
-                 shard: bool = True, batch_invariant: bool = False):
-        """``mesh``: a tensor-parallel mesh (jspec.models.sharding.make_mesh); the model is split over
-        it (``shard``, the target's case) or replicated on it (a draft's). ``batch_invariant``:
-        the engine's deterministic numerics (with the jnp attention)."""
+                 shard: bool = True, batch_invariant: bool = False,
+                 max_q_len: int | None = None):
+        """``mesh``: a tensor-parallel mesh (jspec.models.sharding.make_mesh); the model is
+        split over it (``shard``, the target's case) or replicated on it (a draft's).
+        ``batch_invariant``: the engine's deterministic numerics (with the jnp attention);
+        ``max_q_len``: the bound on new tokens per sequence that the engine gives a
+        decode-only step's attention."""
         import functools
 
         import jax
@@ -143,10 +146,13 @@ class ForwardTimer:
         self.block_size, self.repeats = block_size, repeats
         self.mesh = mesh
         self.kv_spec = sharding.KV_SPEC if shard else sharding.REPLICATED
-        extra = {}
+        extra, attention = {}, {}
         if batch_invariant:
-            extra = {"batch_invariant": True, "attention_fn": functools.partial(
-                ragged_paged_attention_tiled, batch_invariant=True)}
+            extra["batch_invariant"] = attention["batch_invariant"] = True
+        if max_q_len is not None:
+            attention["max_q_len"] = max_q_len
+        if attention:
+            extra["attention_fn"] = functools.partial(ragged_paged_attention_tiled, **attention)
         self.step = jax.jit(functools.partial(forward, cfg=cfg,
                                               mesh=mesh if shard else None, **extra),
                             donate_argnames=("kv",))
@@ -184,12 +190,16 @@ def time_grid(cfg, params, dtype, args, mesh=None, shard: bool = True):
 
 def time_invariance_cost(cfg, params, dtype, args, mesh=None) -> dict:
     """(batch-invariant / default) forward time for every (B, q), each pair timed back to
-    back so the machine's drift cancels."""
-    plain = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats, mesh)
-    invariant = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats, mesh,
-                             batch_invariant=True)
-    return {(b, q): invariant(b, q, args.context) / plain(b, q, args.context)
-            for b in args.batch_sizes for q in args.query_lens}
+    back so the machine's drift cancels; both attend as the engine's decode-only steps do,
+    told that no sequence brings more than q tokens."""
+    ratios = {}
+    for q in args.query_lens:
+        plain, invariant = (ForwardTimer(cfg, params, dtype, args.block_size, args.repeats, mesh,
+                                         batch_invariant=inv, max_q_len=q)
+                            for inv in (False, True))
+        for b in args.batch_sizes:
+            ratios[b, q] = invariant(b, q, args.context) / plain(b, q, args.context)
+    return ratios
 
 
 def _format_table(results, args, unit: str = "ms") -> list[str]:
