@@ -18,7 +18,7 @@ from conftest import ENGINE_KW, make_engine, run_to_completion
 from jspec.runner import LoadedModel
 from jspec.sampling_params import SamplingParams
 from jspec.kernels.batch_invariance import MIN_DOT_ROWS, min_q_block, pad_rows
-from jspec.policies import make_policy
+from jspec.policies import POLICIES, make_policy
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -102,15 +102,28 @@ def test_unchunked_prefill_equals_chunked(bf16_models, prompts, plain_alone):
     _assert_same(_batched(engine, prompts), plain_alone, "unchunked prefill")
 
 
-@pytest.mark.parametrize("policy, options", [
+# every speculative policy (off is the reference), fixed γ at several lengths
+SPECULATIVE = [
     ("static", (("gamma", 1),)),
     ("static", (("gamma", 3),)),
     ("static", (("gamma", 7),)),
     ("nightjar", ()),
     ("dsde", ()),
     ("adaspec", ()),
+    ("dsd", ()),
+    ("ucb", ()),
+    ("adaedl", (("lam", 0.1),)),  # at the default λ it drafts nothing here
+    ("heuristic", ()),
+    ("specrouter", ()),
     ("auto", ()),
-])
+]
+
+
+def test_every_policy_is_checked():
+    assert {name for name, _ in SPECULATIVE} | {"off"} == set(POLICIES)
+
+
+@pytest.mark.parametrize("policy, options", SPECULATIVE)
 def test_speculative_equals_plain_in_bf16(bf16_models, prompts, plain_alone, policy, options):
     """Every draft length, fixed or chosen per step / per sequence, verified with its drafted
     tokens beside other sequences' prefill chunks and decode rows: the plain tokens."""
