@@ -149,8 +149,9 @@ class AsyncLLMEngine:
         self.engine.remove_step_listener(fn)
 
     def add_failure_listener(self, fn: Callable[[BaseException], None]) -> None:
-        """Call ``fn(error)`` once the engine loop has failed and every request in flight has
-        its error: on the engine thread, or at once if that has already happened."""
+        """Call ``fn(error)`` once the engine loop has failed and released the requests in
+        flight (their errors are sent first): on the engine thread, or at once if that has
+        already happened."""
         with self._lock:
             if not self._failure_handled:
                 self._failure_listeners.append(fn)
@@ -222,8 +223,9 @@ class AsyncLLMEngine:
                 self._deliver(out, out.request_id)
 
     def _fail(self, error: BaseException) -> None:
-        """The loop raised ``error``: log it, fail every request in flight, release what the
-        engine holds for them, then tell the failure listeners."""
+        """The loop raised ``error``: log it, release what the engine holds for the requests in
+        flight, fail them, then tell the failure listeners. Released and marked failed first,
+        so a caller that sees its error sees the engine empty and failed."""
         with self._lock:
             self.error = error  # from now on generate() refuses new requests
             self._stopped = True
@@ -231,16 +233,16 @@ class AsyncLLMEngine:
             failed = list(self._streams)
         logger.error("the engine failed; failing the requests in flight (%d)", len(failed),
                      exc_info=error)
-        for request_id in failed:
-            self._deliver(EngineFailedError(error), request_id)
         try:
             self.engine.drop_requests()  # their KV blocks back to the pool, the queues empty
         except Exception:
             logger.exception("releasing the failed requests' KV blocks failed too: the KV "
                              "gauges keep the blocks they held")
-        with self._lock:
+        with self._lock:  # a listener added from now on is called at once
             self._failure_handled = True
             listeners, self._failure_listeners = self._failure_listeners, []
+        for request_id in failed:
+            self._deliver(EngineFailedError(error), request_id)
         for fn in listeners:
             try:
                 fn(error)
