@@ -198,11 +198,11 @@ class _Requests:
         self.lag = np.concatenate([self.lag, [r["prompt"] + 1 for r in done]])
         return len(done)
 
-    def advance(self, emitted: np.ndarray, drafted: np.ndarray) -> None:
+    def advance(self, emitted: np.ndarray, gammas: np.ndarray) -> None:
         self.context = self.context + emitted
         self.left = self.left - emitted
-        # a step that drafted leaves the draft behind by its newest token only
-        self.lag = np.where(drafted > 0, 1, self.lag + emitted)
+        # a row that drafted was caught up first: the draft lags by its newest token only
+        self.lag = np.where(gammas > 0, 1, self.lag + emitted)
 
 
 @dataclasses.dataclass
@@ -309,7 +309,7 @@ class _Simulation:
         outcome = self.outcome(view, gammas, draft, verified, prefill_attended)
         if view.num_decode:
             policy.observe(outcome)
-        r.advance(outcome.num_emitted, draft.drafted)
+        r.advance(outcome.num_emitted, gammas)
         first_tokens = r.start_decoding()
         return {"step_time": outcome.step_time,
                 "emitted": float(outcome.num_emitted.sum() + first_tokens),
@@ -334,7 +334,10 @@ class _Simulation:
         caught = int(np.maximum(r.lag - 1, 0)[gammas > 0].sum()) if bucket else 0
         noise = self.noise[self.t]
         target = env.cost.target(width, attended) * noise
-        draft_time = env.cost.draft(int(draft.drafted.max(initial=0)), n) * noise
+        # the draft loop's first forward runs whenever anything may draft, even if a stop rule
+        # then drafts nothing; each further one feeds a drafted token
+        forwards = max(int(draft.drafted.max(initial=0)), 1) if bucket else 0
+        draft_time = env.cost.draft(forwards, n) * noise
         catch_up = env.cost.catch_up(caught) * noise
         signals = _signals(self.policy, draft, verified)
         return StepOutcome(
