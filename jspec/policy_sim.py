@@ -17,11 +17,11 @@ policy declares it reads). Nothing runs a model: the environment (``Environment`
 * acceptance: every request draws its own rate α_i from a Beta distribution around the phase's
   mean; each drafted token gets a draft confidence q ~ Beta(κα_i, κ(1 − α_i)) and is accepted
   with probability q (calibrated confidences), its entropy and KL(p‖q) derived from q;
-* load: the number of decoding sequences and the prefill tokens sharing a step follow phases
+* load: the number of decoding sequences, their acceptance and prompt lengths follow phases
   (``Phase``) over the run, standing in for arrivals; finished requests are replaced by new ones
   whose prompt the draft must catch up on.
 
-The clock is simulated, so thousands of steps take well under a second and nothing depends on
+The clock is simulated, so thousands of steps take a fraction of a second and nothing depends on
 the machine. ``run_policy`` runs one policy on one environment and seed; ``regret`` compares
 policies with the fixed arms (off and static γ = 1..Γmax) on the same seeds: the ratio of a
 policy's throughput to the best fixed arm in hindsight on each seed. ``jspec bench simulate``
@@ -42,6 +42,7 @@ from jspec.policies.profile import StepProfile
 
 _ENTROPY_TAIL = 20  # tokens sharing a draft distribution's mass beside its top token
 _TOKEN_BUCKET = 64  # a step with prefill pads its verify width to a multiple of this
+_NOISE_CHUNK = 4096  # steps of step-time noise drawn at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ class StepCost:
 class Phase:
     """The load from ``start`` (a fraction of the run) until the next phase starts."""
 
-    start: float
+    start: float  # fraction of the run's simulated time
     batch: int  # decoding sequences
     alpha: float = 0.8  # mean per-token acceptance rate of requests arriving in it
     prompt_len: int = 170  # prompt tokens of requests arriving in it
@@ -91,19 +92,21 @@ class Environment:
     prefill_chunk: int = 256  # most prompt tokens a step prefills (chunked prefill)
     max_gamma: int = 4
 
-    def phase(self, step: int, steps: int) -> Phase:
-        t = step / max(steps, 1)
-        return [p for p in self.phases if p.start <= t][-1]
+    def phase(self, progress: float) -> Phase:
+        """The phase at ``progress``, the fraction of the run's simulated time gone."""
+        return [p for p in self.phases if p.start <= progress][-1]
 
 
-def ar1_noise(rng: np.random.Generator, steps: int, rho: float) -> np.ndarray:
-    """A stationary AR(1) series of unit variance: x_t = ρ x_{t−1} + √(1 − ρ²) ε_t."""
+def ar1_noise(rng: np.random.Generator, steps: int, rho: float,
+              last: float | None = None) -> np.ndarray:
+    """A stationary AR(1) series of unit variance, x_t = ρ x_{t−1} + √(1 − ρ²) ε_t, going on
+    from ``last`` (None: a fresh start from the stationary distribution)."""
     eps = rng.standard_normal(steps)
     x = np.empty(steps)
-    x[0] = eps[0] if steps else 0.0
     scale = np.sqrt(1.0 - rho * rho)
-    for t in range(1, steps):
-        x[t] = rho * x[t - 1] + scale * eps[t]
+    prev = last
+    for t in range(steps):
+        prev = x[t] = eps[t] if prev is None else rho * prev + scale * eps[t]
     return x
 
 
@@ -269,11 +272,12 @@ class SimResult:
 class _Simulation:
     """One policy on one environment and seed (``run_policy``)."""
 
-    def __init__(self, env: Environment, policy: Policy, seed: int, steps: int):
-        self.env, self.policy, self.steps = env, policy, steps
+    def __init__(self, env: Environment, policy: Policy, seed: int):
+        self.env, self.policy = env, policy
         streams = np.random.default_rng(seed).spawn(3)
-        # separate streams, so every policy on a seed meets the same load, noise and requests
-        self.noise = np.exp(env.noise_sd * ar1_noise(streams[0], steps, env.noise_rho))
+        # separate streams, so every policy on a seed meets the same noise and requests
+        self.noise_rng = streams[0]
+        self.noise = ar1_noise(self.noise_rng, _NOISE_CHUNK, env.noise_rho)
         self.requests = _Requests(streams[1])
         self.rng = streams[2]
         policy.set_pool(("draft",))
@@ -288,9 +292,16 @@ class _Simulation:
                          num_waiting=0, num_free_blocks=1000, num_total_blocks=1000,
                          draft_resident=True, max_gamma=self.env.max_gamma)
 
-    def step(self, t: int) -> dict[str, float]:
+    def noise_at(self, t: int) -> float:
+        """The step-time factor of step ``t``: exp(σ x_t), x the AR(1) series (grown on use)."""
+        while t >= len(self.noise):
+            more = ar1_noise(self.noise_rng, _NOISE_CHUNK, self.env.noise_rho, self.noise[-1])
+            self.noise = np.concatenate([self.noise, more])
+        return float(np.exp(self.env.noise_sd * self.noise[t]))
+
+    def step(self, t: int, progress: float) -> dict[str, float]:
         env, policy, r = self.env, self.policy, self.requests
-        r.settle(env.phase(t, self.steps), env.alpha_concentration)
+        r.settle(env.phase(progress), env.alpha_concentration)
         prefill, rows, prefill_attended = r.prefill(env.prefill_chunk)
         view = self.view(prefill, rows)
         # as the engine: a policy plans and learns only in steps with decoding sequences
@@ -332,7 +343,7 @@ class _Simulation:
             width = n * (1 + bucket)
         attended = float((r.context * (1 + verified)).sum()) + prefill_attended
         caught = int(np.maximum(r.lag - 1, 0)[gammas > 0].sum()) if bucket else 0
-        noise = self.noise[self.t]
+        noise = self.noise_at(self.t)
         target = env.cost.target(width, attended) * noise
         # the draft loop's first forward runs whenever anything may draft, even if a stop rule
         # then drafts nothing; each further one feeds a drafted token
@@ -351,15 +362,23 @@ class _Simulation:
             num_running=n, chain=(0,) if bucket else (), **signals)
 
 
-def run_policy(env: Environment, policy: Policy, seed: int, steps: int) -> SimResult:
-    """Run ``policy`` for ``steps`` steps of ``env`` on ``seed``: throughput and per-step
-    records (step_time, emitted, gamma (mean planned), batch_size, prefill_tokens)."""
-    sim = _Simulation(env, policy, seed, steps)
-    rows = [sim.step(t) for t in range(steps)]
-    records = {key: np.array([row[key] for row in rows]) for key in rows[0]} if rows else {}
-    tokens = int(records["emitted"].sum()) if rows else 0
-    seconds = float(records["step_time"].sum()) if rows else 0.0
-    return SimResult(tokens, seconds, records)
+def run_policy(env: Environment, policy: Policy, seed: int, seconds: float) -> SimResult:
+    """Run ``policy`` on ``env`` and ``seed`` for ``seconds`` of simulated time: throughput and
+    per-step records (step_time, emitted, gamma (mean planned), batch_size, prefill_tokens).
+
+    The phases follow simulated time, as arrivals do, so every policy spends the same time in
+    each and its throughput weighs them alike. Phases placed by step count would not: a policy
+    that emits more per step at low load would spend more of its time there, and its overall
+    throughput would fall below a fixed arm's that it beats in every phase."""
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    sim = _Simulation(env, policy, seed)
+    rows, clock = [], 0.0
+    while clock < seconds:
+        rows.append(sim.step(len(rows), clock / seconds))
+        clock += rows[-1]["step_time"]
+    records = {key: np.array([row[key] for row in rows]) for key in rows[0]}
+    return SimResult(int(records["emitted"].sum()), clock, records)
 
 
 # ---------------------------------------------------------------------- comparisons
@@ -375,9 +394,10 @@ def fixed_arms(max_gamma: int) -> dict[str, Callable[[], Policy]]:
     return arms
 
 
-def throughputs(env: Environment, make: Callable[[], Policy], seeds, steps: int) -> np.ndarray:
+def throughputs(env: Environment, make: Callable[[], Policy], seeds, seconds: float
+                ) -> np.ndarray:
     """Tokens per simulated second of a fresh policy from ``make`` on each seed."""
-    return np.array([run_policy(env, make(), seed, steps).tokens_per_s for seed in seeds])
+    return np.array([run_policy(env, make(), seed, seconds).tokens_per_s for seed in seeds])
 
 
 @dataclasses.dataclass
@@ -394,14 +414,14 @@ class Regret:
         return max(self.fixed, key=lambda arm: float(self.fixed[arm].mean()))
 
 
-def regret(env: Environment, policies, seeds, steps: int) -> Regret:
+def regret(env: Environment, policies, seeds, seconds: float) -> Regret:
     """Every fixed arm and every policy in ``policies`` (names, default options, Γmax of the
     environment) on the same seeds; ratios to the best fixed arm in hindsight, per seed."""
-    fixed = {arm: throughputs(env, make, seeds, steps)
+    fixed = {arm: throughputs(env, make, seeds, seconds)
              for arm, make in fixed_arms(env.max_gamma).items()}
     best = np.max(np.stack(list(fixed.values())), axis=0)
-    ratios = {name: throughputs(env, lambda n=name: make_policy(n, env.max_gamma), seeds, steps)
-              / best for name in policies}
+    ratios = {name: throughputs(env, lambda n=name: make_policy(n, env.max_gamma), seeds,
+                                seconds) / best for name in policies}
     return Regret(env.name, fixed, ratios)
 
 
@@ -460,7 +480,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(ADAPTIVE),
                    help="comma-separated policies judged against the fixed arms")
     p.add_argument("--seeds", type=int, default=5, help="seeds per environment")
-    p.add_argument("--steps", type=int, default=2000, help="simulated steps per run")
+    p.add_argument("--seconds", type=float, default=100.0,
+                   help="simulated seconds per run (thousands of steps)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -474,11 +495,12 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}; known: {', '.join(sorted(POLICIES))}")
-    if args.seeds < 1 or args.steps < 1:
-        raise ValueError(f"--seeds and --steps must be >= 1, got {args.seeds} and {args.steps}")
+    if args.seeds < 1 or not args.seconds > 0:
+        raise ValueError(f"--seeds must be >= 1 and --seconds > 0, got {args.seeds} and "
+                         f"{args.seconds}")
     seeds = range(args.seeds)
-    print(f"simulated: {args.steps} steps x {args.seeds} seeds per policy and environment "
+    print(f"simulated: {args.seconds:g} s x {args.seeds} seeds per policy and environment "
           f"(jspec/policy_sim.py; the clock is simulated)\n")
-    results = [regret(ENVIRONMENTS[e], policies, seeds, args.steps) for e in envs]
+    results = [regret(ENVIRONMENTS[e], policies, seeds, args.seconds) for e in envs]
     print(format_tables(results))
     return 0

@@ -13,16 +13,16 @@ from jspec.policy_sim import (ENVIRONMENTS, Environment, Phase, ar1_noise, fixed
                               run_policy, throughputs)
 
 
-def _mean_fixed(env: Environment, seeds=(0, 1), steps: int = 800) -> dict[str, float]:
-    return {arm: float(throughputs(env, make, seeds, steps).mean())
+def _mean_fixed(env: Environment, seeds=(0, 1), seconds: float = 30.0) -> dict[str, float]:
+    return {arm: float(throughputs(env, make, seeds, seconds).mean())
             for arm, make in fixed_arms(env.max_gamma).items()}
 
 
 def test_a_seed_reproduces_a_run_and_another_seed_does_not():
     env = ENVIRONMENTS["load-step"]
-    a = run_policy(env, make_policy("nightjar", 4), seed=3, steps=600)
-    b = run_policy(env, make_policy("nightjar", 4), seed=3, steps=600)
-    c = run_policy(env, make_policy("nightjar", 4), seed=4, steps=600)
+    a = run_policy(env, make_policy("nightjar", 4), seed=3, seconds=30.0)
+    b = run_policy(env, make_policy("nightjar", 4), seed=3, seconds=30.0)
+    c = run_policy(env, make_policy("nightjar", 4), seed=4, seconds=30.0)
     assert a.tokens == b.tokens and a.seconds == b.seconds
     for key in a.records:
         np.testing.assert_array_equal(a.records[key], b.records[key])
@@ -31,8 +31,8 @@ def test_a_seed_reproduces_a_run_and_another_seed_does_not():
 
 def test_regret_is_reproducible():
     env = ENVIRONMENTS["saturation-pays"]
-    first = regret(env, ["dsd"], seeds=(0, 1), steps=300)
-    second = regret(env, ["dsd"], seeds=(0, 1), steps=300)
+    first = regret(env, ["dsd"], seeds=(0, 1), seconds=10.0)
+    second = regret(env, ["dsd"], seeds=(0, 1), seconds=10.0)
     np.testing.assert_array_equal(first.ratios["dsd"], second.ratios["dsd"])
     for arm in first.fixed:
         np.testing.assert_array_equal(first.fixed[arm], second.fixed[arm])
@@ -62,7 +62,7 @@ def test_the_noise_has_the_configured_autocorrelation():
     # the simulator's step times carry it: a fixed arm's decode-only steps at a constant batch
     env = Environment("flat", (Phase(0.0, 8, 0.8, output_len=100000),), noise_rho=0.8,
                       noise_sd=0.2)
-    times = run_policy(env, make_policy("static", 4, gamma=2), 0, 3000).records["step_time"]
+    times = run_policy(env, make_policy("static", 4, gamma=2), 0, 90.0).records["step_time"]
     logs = np.log(times[10:])  # after the first prefill and catch-up
     assert abs(np.corrcoef(logs[:-1], logs[1:])[0, 1] - 0.8) < 0.1
 
@@ -86,7 +86,7 @@ class _Recorder(StaticPolicy):
 
 def test_outcomes_hold_the_engines_invariants():
     policy = _Recorder(4, gamma=3)
-    run_policy(ENVIRONMENTS["prefill-bursts"], policy, 0, 400)
+    run_policy(ENVIRONMENTS["prefill-bursts"], policy, 0, 30.0)
     assert len(policy.outcomes) == len(policy.views) > 300
     assert any(o.num_prefill_tokens for o in policy.outcomes)
     for view, o in zip(policy.views, policy.outcomes):
@@ -105,8 +105,10 @@ def test_outcomes_hold_the_engines_invariants():
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_registered_policy_runs_a_thousand_steps(name):
     env = ENVIRONMENTS["load-step"]  # regime changes and prefill
-    result = run_policy(env, make_policy(name, env.max_gamma), seed=0, steps=1000)
-    assert len(result.records["step_time"]) == 1000
+    result = run_policy(env, make_policy(name, env.max_gamma), seed=0, seconds=80.0)
+    assert len(result.records["step_time"]) >= 1000
+    assert result.seconds == pytest.approx(result.records["step_time"].sum())
+    assert 80.0 <= result.seconds < 81.0
     assert result.tokens > 1000 and result.tokens_per_s > 0
     assert np.all((result.records["gamma"] >= 0) & (result.records["gamma"] <= env.max_gamma))
 
@@ -121,15 +123,23 @@ def test_signals_reach_the_policies_that_read_them():
         def observe(self, outcome):
             kls.append(outcome.kl)
 
-    run_policy(ENVIRONMENTS["low-load"], Reader(4, gamma=4), 0, 200)
+    run_policy(ENVIRONMENTS["low-load"], Reader(4, gamma=4), 0, 5.0)
     verified = np.concatenate([k[~np.isnan(k)] for k in kls])
     assert verified.size > 500 and np.all(verified >= 0)
 
 
 def test_bench_simulate_prints_the_table(capsys):
-    assert main(["bench", "simulate", "--seeds", "1", "--steps", "60", "--environments",
+    assert main(["bench", "simulate", "--seeds", "1", "--seconds", "3", "--environments",
                  "low-load", "--policies", "nightjar,dsd"]) == 0
     out = capsys.readouterr().out
     assert "| nightjar |" in out and "| static γ=4 |" in out and "low-load" in out
     assert main(["bench", "simulate", "--environments", "nowhere"]) == 2
     assert "unknown environment 'nowhere'" in capsys.readouterr().err
+
+
+def test_phases_take_the_same_simulated_time_whatever_the_policy():
+    env = ENVIRONMENTS["load-step"]  # B = 2, then 32 for the middle third, then 2
+    for gamma in (0, 4):
+        rec = run_policy(env, make_policy("static", 4, gamma=gamma), 0, 60.0).records
+        high = rec["step_time"][rec["batch_size"] > 16].sum() / rec["step_time"].sum()
+        assert abs(high - 1 / 3) < 0.03, (gamma, high)
