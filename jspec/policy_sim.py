@@ -301,7 +301,8 @@ class _Simulation:
 
     def step(self, t: int, progress: float) -> dict[str, float]:
         env, policy, r = self.env, self.policy, self.requests
-        r.settle(env.phase(progress), env.alpha_concentration)
+        phase = env.phase(progress)
+        r.settle(phase, env.alpha_concentration)
         prefill, rows, prefill_attended = r.prefill(env.prefill_chunk)
         view = self.view(prefill, rows)
         # as the engine: a policy plans and learns only in steps with decoding sequences
@@ -325,7 +326,8 @@ class _Simulation:
         return {"step_time": outcome.step_time,
                 "emitted": float(outcome.num_emitted.sum() + first_tokens),
                 "gamma": float(gammas.mean()) if len(gammas) else 0.0,
-                "batch_size": view.batch_size, "prefill_tokens": prefill}
+                "batch_size": view.batch_size, "prefill_tokens": prefill,
+                "phase": env.phases.index(phase)}
 
     def outcome(self, view: BatchView, gammas: np.ndarray, draft: _Draft, verified: np.ndarray,
                 prefill_attended: float) -> StepOutcome:
@@ -364,7 +366,8 @@ class _Simulation:
 
 def run_policy(env: Environment, policy: Policy, seed: int, seconds: float) -> SimResult:
     """Run ``policy`` on ``env`` and ``seed`` for ``seconds`` of simulated time: throughput and
-    per-step records (step_time, emitted, gamma (mean planned), batch_size, prefill_tokens).
+    per-step records (step_time, emitted, gamma (mean planned), batch_size, prefill_tokens,
+    phase (index into env.phases)).
 
     The phases follow simulated time, as arrivals do, so every policy spends the same time in
     each and its throughput weighs them alike. Phases placed by step count would not: a policy
