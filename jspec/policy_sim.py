@@ -307,8 +307,9 @@ class _Simulation:
         view = self.view(prefill, rows)
         # as the engine: a policy plans and learns only in steps with decoding sequences
         plan = policy.plan(view) if view.num_decode else DraftPlan(np.zeros(0, np.int32))
-        # the engine's clip: never draft past a request's last token
-        gammas = np.clip(np.asarray(plan.gammas, np.int64), 0, np.maximum(r.left - 1, 0))
+        # the engine's clip: never draft past a request's last token, nor with no chain
+        room = np.maximum(r.left - 1, 0) if plan.chain else np.zeros(len(r.ids), np.int64)
+        gammas = np.clip(np.asarray(plan.gammas, np.int64), 0, room)
         draft = _draft(env, self.rng, r.alpha, gammas, plan)
         verified = draft.drafted
         if policy.wants_select and verified.any():
@@ -317,8 +318,8 @@ class _Simulation:
             lens = policy.select(view, stats)
             if lens is not None:
                 verified = np.minimum(np.maximum(np.asarray(lens, np.int64), 0), draft.drafted)
-        self.t = t
-        outcome = self.outcome(view, gammas, draft, verified, prefill_attended)
+        outcome = self.outcome(view, gammas, draft, verified,
+                               (prefill_attended, self.noise_at(t)))
         if view.num_decode:
             policy.observe(outcome)
         r.advance(outcome.num_emitted, gammas)
@@ -330,8 +331,11 @@ class _Simulation:
                 "phase": env.phases.index(phase)}
 
     def outcome(self, view: BatchView, gammas: np.ndarray, draft: _Draft, verified: np.ndarray,
-                prefill_attended: float) -> StepOutcome:
+                step: tuple[float, float]) -> StepOutcome:
+        """The step's StepOutcome as the engine fills it; ``step``: the tokens x context its
+        prefill chunks attend to, and its noise factor."""
         env, r = self.env, self.requests
+        prefill_attended, noise = step
         n = view.num_decode
         g = env.max_gamma
         lead = np.cumprod(draft.accepted & (np.arange(g)[None, :] < verified[:, None]), axis=1)
@@ -345,7 +349,6 @@ class _Simulation:
             width = n * (1 + bucket)
         attended = float((r.context * (1 + verified)).sum()) + prefill_attended
         caught = int(np.maximum(r.lag - 1, 0)[gammas > 0].sum()) if bucket else 0
-        noise = self.noise_at(self.t)
         target = env.cost.target(width, attended) * noise
         # the draft loop's first forward runs whenever anything may draft, even if a stop rule
         # then drafts nothing; each further one feeds a drafted token
