@@ -91,6 +91,9 @@ class Environment:
     noise_rho: float = 0.8  # its lag-1 autocorrelation
     prefill_chunk: int = 256  # most prompt tokens a step prefills (chunked prefill)
     max_gamma: int = 4
+    # the cost the policies' step-time profile is measured from (None: the true one); another
+    # cost stands for a profile measured in other conditions than the run's
+    profile_cost: StepCost | None = None
 
     def phase(self, progress: float) -> Phase:
         """The phase at ``progress``, the fraction of the run's simulated time gone."""
@@ -111,13 +114,14 @@ def ar1_noise(rng: np.random.Generator, steps: int, rho: float,
 
 
 def profile_of(env: Environment) -> StepProfile:
-    """The step-time profile the engine would measure for this environment (noise-free), for
-    the policies that reason from one (the engine measures one at start-up)."""
+    """The step-time profile the engine would measure for this environment (noise-free, from
+    ``profile_cost`` when given), for the policies that reason from one (the engine measures
+    one at start-up)."""
     batches = [1, 2, 4, 8, 16, 32, 64]
     queries = list(range(1, env.max_gamma + 2))
     contexts = [128, 512, 2048]
     catch_ups = [1, 8, 64, 512]
-    c = env.cost
+    c = env.profile_cost or env.cost
     target = np.array([[[c.target(b * q, b * q * ctx) for ctx in contexts] for q in queries]
                        for b in batches])
     draft = np.array([[c.draft(1, b) for _ in contexts] for b in batches])
@@ -451,6 +455,10 @@ ENVIRONMENTS = {env.name: env for env in (
                                    Phase(0.75, 32, 0.85)), cost=_MEMORY_BOUND),
     Environment("acceptance-drift", (Phase(0.0, 16, 0.85), Phase(0.4, 16, 0.45),
                                      Phase(0.7, 16, 0.85)), cost=_MEMORY_BOUND),
+    # saturation-pays, but the profile was measured where tokens cost what they cost in
+    # saturation-no-pay: a start-up profile taken in other conditions than the run's
+    Environment("saturation-stale-profile", (Phase(0.0, 32, 0.88),), cost=_MEMORY_BOUND,
+                profile_cost=_COMPUTE_BOUND),
 )}
 
 

@@ -143,3 +143,14 @@ def test_phases_take_the_same_simulated_time_whatever_the_policy():
         rec = run_policy(env, make_policy("static", 4, gamma=gamma), 0, 60.0).records
         high = rec["step_time"][rec["phase"] == 1].sum() / rec["step_time"].sum()
         assert abs(high - 1 / 3) < 0.03, (gamma, high)
+
+
+def test_a_stale_profile_is_what_the_policies_are_given():
+    env = ENVIRONMENTS["saturation-stale-profile"]
+    policy = make_policy("dsd", env.max_gamma)
+    run_policy(env, policy, 0, 1.0)
+    # the profile prices a verified token as the compute-bound target does, not as the run does
+    assert policy.profile.target_step(32, 5, 200) > 2 * env.cost.target(160, 160 * 200)
+    fresh = make_policy("dsd", env.max_gamma)
+    run_policy(ENVIRONMENTS["saturation-pays"], fresh, 0, 1.0)
+    assert fresh.profile.target_step(32, 5, 200) == pytest.approx(env.cost.target(160, 160 * 200))
