@@ -28,6 +28,8 @@ BENCHMARKS = {
                 "and arrival schedule (Poisson, step, burst, Azure trace)"),
     "headline": ("jspec.bench.headline", "the headline experiment: every policy x low / medium "
                  "/ high Poisson load and a scaled Azure trace, with a markdown report"),
+    "simulate": ("jspec.bench.simulate", "policies against the best fixed γ in seeded simulated "
+                 "environments (saturation, low load, load steps, prefill bursts)"),
     "plot": ("jspec.bench.plots", "figures of `jspec bench serving` results (matplotlib)"),
 }
 
