@@ -26,8 +26,8 @@ the previous block's hash and this block's token ids, seeded with ``namespace``)
 names the whole prefix up to the block's end. A request's ``cache_salt`` (vLLM's per-request
 salt) is mixed into its first block's hash only, and the chain carries it to every later block:
 requests share cached blocks only when they give the same salt (or both none), so one tenant
-cannot learn from a fast prefill that another sent the same prefix. A request without a table first takes the longest
-chain of indexed blocks its tokens start with (:meth:`match_prefix`, reference counted: several
+cannot learn from a fast prefill that another sent the same prefix. A request without a table
+first takes the longest chain of indexed blocks its tokens start with (:meth:`match_prefix`, reference counted: several
 requests read one block), and its prefill starts after them. Indexed blocks stay indexed when the
 last table lets them go: they wait, in least-recently-used order, among the free blocks
 (``num_free_blocks`` counts them) and are evicted only when an allocation finds no never-indexed
@@ -60,17 +60,6 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 
 NULL_BLOCK = 0
-
-
-def check_cache_salt(cache_salt: object) -> None:
-    """A request's prefix-cache salt is None (no salt) or a non-empty string."""
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a non-empty string, got "
-                         f"{type(cache_salt).__name__}")
-    if not cache_salt:
-        raise ValueError("cache_salt must be a non-empty string, got an empty string")
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jspec import input_batch as ib
-from jspec.block_manager import BlockManager, PrefixCacheStats, check_cache_salt
+from jspec.block_manager import BlockManager, PrefixCacheStats
 from jspec.config import EngineConfig, gamma_bucket, gamma_buckets, resolve
 from jspec.detokenizer import IncrementalDetokenizer, find_stop
 from jspec.distributed import StepSync
@@ -27,7 +27,7 @@ from jspec.jsonfile import read_json
 from jspec.metrics import EngineMetrics
 from jspec.outputs import Logprob, RequestOutput, SpecStats
 from jspec.platform import device_free_bytes
-from jspec.request_checks import check_prompt
+from jspec.request_checks import check_cache_salt, check_prompt
 from jspec.runner import LoadedModel, ModelRunner
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler import Scheduler, SchedulerConfig

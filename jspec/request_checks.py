@@ -77,6 +77,17 @@ def check_prompt(prompt: Any, param: str = "prompt") -> str | list[int]:
     return [int(t) for t in prompt]
 
 
+def check_cache_salt(cache_salt: Any, param: str = "cache_salt") -> str | None:
+    """A request's prefix-cache salt: None (no salt) or a non-empty string."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str):
+        raise type_error(param, "a non-empty string", cache_salt)
+    if not cache_salt:
+        raise RequestError(param, f"{param} must be a non-empty string, got an empty string")
+    return cache_salt
+
+
 # ----------------------------------------------------------------------------- chat messages
 # OpenAI's roles; a chat template may refuse some of them, or their order (render_chat)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

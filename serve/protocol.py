@@ -25,7 +25,8 @@ import math
 import time
 from typing import Any
 
-from jspec.request_checks import RequestError, check_messages, type_error, type_name
+from jspec.request_checks import (RequestError, check_cache_salt, check_messages, type_error,
+                                  type_name)
 from jspec.sampling_params import SamplingParams
 
 
@@ -215,12 +216,10 @@ def _common(body: dict) -> tuple[str, dict, bool, bool]:
 
 
 def _cache_salt(body: dict) -> str | None:
-    value = body.get("cache_salt")
-    if value is None:
-        return None
-    if not _str("cache_salt", value):
-        raise invalid("cache_salt", "cache_salt must be a non-empty string, got an empty string")
-    return value
+    try:  # the same check as the Python API's
+        return check_cache_salt(body.get("cache_salt"))
+    except RequestError as e:
+        raise from_request_error(e) from None
 
 
 def _max_tokens(name: str, value: Any) -> int | None:

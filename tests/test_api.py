@@ -223,7 +223,7 @@ def test_cache_salt_in_vllm_prompt_dicts(tiny_llm):
     outs = [tiny_llm.generate(ask, sp, use_tqdm=False)[0] for ask in asks]
     assert [o.num_cached_tokens for o in outs] == [0, 0, full, 0, full]
     assert len({tuple(o.token_ids) for o in outs}) == 1
-    for bad, says in ((5, "got int"), ("", "got an empty string")):
+    for bad, says in ((5, "got an integer"), ("", "got an empty string")):
         with pytest.raises(ValueError, match=f"cache_salt must be a non-empty string, {says}"):
             tiny_llm.generate([text, {"prompt": text, "cache_salt": bad}], sp, use_tqdm=False)
     with pytest.raises(ValueError, match="optionally 'cache_salt'; got keys"):

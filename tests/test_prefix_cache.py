@@ -500,7 +500,7 @@ def test_cache_salt_in_the_engine(engine_models, conversation):
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0, full, full, full]
     assert engine.metrics.prefix_cache.hits == 3 * full
     assert len({tuple(o.token_ids) for o in outs}) == 1
-    with pytest.raises(ValueError, match="cache_salt must be a non-empty string, got int"):
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string, got an integer"):
         engine.add_request("bad", prompt, _greedy(8), cache_salt=5)
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string, got an empty"):
         engine.add_request("bad", prompt, _greedy(8), cache_salt="")

@@ -290,9 +290,9 @@ ERROR_CASES = [
     ("cache-salt-empty", COMPLETIONS, _body(cache_salt=""), 400, "cache_salt", "invalid_value",
      "cache_salt must be a non-empty string, got an empty string"),
     ("cache-salt-type", COMPLETIONS, _body(cache_salt=5), 400, "cache_salt", "invalid_type",
-     "cache_salt must be a string, got an integer"),
+     "cache_salt must be a non-empty string, got an integer"),
     ("chat-cache-salt-type", CHAT, _chat(cache_salt=["a"]), 400, "cache_salt", "invalid_type",
-     "cache_salt must be a string, got an array"),
+     "cache_salt must be a non-empty string, got an array"),
 ]
 
 
