@@ -27,8 +27,8 @@ names the whole prefix up to the block's end. A request's ``cache_salt`` (vLLM's
 salt) is mixed into its first block's hash only, and the chain carries it to every later block:
 requests share cached blocks only when they give the same salt (or both none), so one tenant
 cannot learn from a fast prefill that another sent the same prefix. A request without a table
-first takes the longest chain of indexed blocks its tokens start with (:meth:`match_prefix`, reference counted: several
-requests read one block), and its prefill starts after them. Indexed blocks stay indexed when the
+first takes the longest chain of indexed blocks its tokens start with (:meth:`match_prefix`,
+reference counted: several requests read one block), and its prefill starts after them. Indexed blocks stay indexed when the
 last table lets them go: they wait, in least-recently-used order, among the free blocks
 (``num_free_blocks`` counts them) and are evicted only when an allocation finds no never-indexed
 block left. An indexed block is never written by the target again (its tokens are all committed

@@ -11,8 +11,8 @@ from typing import Any
 
 # EngineConfig fields that map one-to-one onto `--flag` options; unset flags keep the config's
 # default.
-ENGINE_OPTION_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                        "min_token_bucket", "kernel_backend", "elastic_memory",
+ENGINE_OPTION_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size",
+                        "num_kv_blocks", "min_token_bucket", "kernel_backend", "elastic_memory",
                         "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout",
                         "tensor_parallel_size", "max_logprobs", "enable_prefix_caching",
                         "async_scheduling", "deterministic")

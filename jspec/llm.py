@@ -249,8 +249,8 @@ class LLM:
 
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
-    ``enable_prefix_caching``, ``async_scheduling``, ``deterministic``, ``dtype``, ``seed``, ``policy_options``, ``warmup``,
-    ``tensor_parallel_size``) are those of ``EngineConfig``. The warm-up compiles every shape
+    ``enable_prefix_caching``, ``async_scheduling``, ``deterministic``, ``dtype``, ``seed``,
+    ``policy_options``, ``warmup``, ``tensor_parallel_size``) are those of ``EngineConfig``. The warm-up compiles every shape
     bucket of these options (or loads them from the compilation cache) with a progress bar on
     stderr, which ``use_tqdm=False`` turns off; after it no prompt count, prompt length or
     sampling option compiles anything.

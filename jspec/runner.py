@@ -168,7 +168,8 @@ class ModelRunner:
                          for m in self.pool]
         self.gamma_buckets = gamma_buckets
         self.kv_dtype = kv_dtype
-        # what the policy reads (jspec.policies.base.Policy.signals / wants_draft_stats): compiled in
+        # what the policy reads (jspec.policies.base.Policy.signals / wants_draft_stats):
+        # compiled in
         self.signals = tuple(sorted(signals))
         self.draft_stats = bool(draft_stats)
         # the chains the policy may play (Policy.possible_chains): what gets compiled

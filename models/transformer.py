@@ -224,13 +224,10 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
     """``forward`` on one device; under ``shard_map`` (``axis`` named) on this device's share:
     ``cfg`` is then jspec.models.sharding.local_config's, the params and pool are local slices."""
     num_rows = batch.logits_indices.shape[0]
-    if batch_invariant:  # padding tokens sit past cu_q_lens[-1]: they write to the null block
-        md = batch.attn
-        batch = ModelInput(pad_rows(batch.input_ids),
-                           AttentionMetadata(pad_rows(md.positions), md.cu_q_lens, md.kv_lens,
-                                             md.page_table),
-                           pad_rows(batch.logits_indices))
     md = batch.attn
+    if batch_invariant:  # padding tokens sit past cu_q_lens[-1]: they write to the null block
+        md = AttentionMetadata(pad_rows(md.positions), md.cu_q_lens, md.kv_lens, md.page_table)
+        batch = ModelInput(pad_rows(batch.input_ids), md, pad_rows(batch.logits_indices))
     num_tokens = batch.input_ids.shape[0]
     block_size = kv.block_size
     vocab_split = axis is not None and params["lm_head"].shape[1] < cfg.vocab_size
