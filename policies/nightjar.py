@@ -3,9 +3,8 @@
 
 Arms are γ ∈ {0..Γmax}; γ = 0 is plain decoding. Every sequence of a step drafts the same γ (the
 arm). The paper's reward of a step is its realized goodput, ``StepOutcome.goodput`` = emitted
-tokens / step wall time (we take the prefill chunks' cost out of the time, see "Deviations"),
-where the step time includes the draft's catch-up, so a switch from γ = 0 back to speculation
-pays for itself in the reward as well as in Eq. (3).
+tokens / step wall time (we take the prefill chunks' cost and the draft's catch-up out of the
+time, see "Deviations").
 
 Per context B the policy keeps Algorithm 1's counters (j_B, H_B, b_B, τ_B), all starting at 1,
 and per (B, γ) a play count and the estimated goodput g̃_{B,γ}. At the first step of a bin
@@ -17,14 +16,15 @@ one of its steps:
 
 After each step τ_B += 1; τ_B > √H_B ends the bin (b_B += 1, τ_B = 1); b_B > √H_B ends the block
 (j_B += 1, H_B = 2^(j_B−1), b_B = 1). The comparisons are done on integers (τ² > H), which is
-exact because H_B is an integer. Eq. (3) mixes units (1/g̃ is seconds per token, c_prefill/γ
-seconds per drafted token); we keep it exactly as the paper writes it. Spreading the catch-up
-over the batch's drafts instead (c_prefill/(n·γ), n the decoding sequences) was measured and
-did worse at saturation (docs/benchmarks.md, round 6).
+exact because H_B is an integer. Eq. (3) as printed mixes units (1/g̃ is seconds per token,
+c_prefill/γ seconds per drafted token): at saturation a catch-up of tens of milliseconds dwarfs
+differences of 1/g̃ of a fraction of a millisecond, so once γ = 0 is played the term keeps it
+(while the lag, and with it the term, grows every step): ``catch_up`` below.
 
-Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0, prior=false``
-is the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the
-wrong arm at saturation", "Adaptation under load", rounds 2-6):
+Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0,
+prior=false, explore=uniform, explore_steps=∞, whiten=false, catch_up=paper`` is the algorithm as
+published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
+saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collapses"):
 
 - ``reward`` (default ``decode_marginal``): the reward of a step is its *decode* goodput, emitted
   tokens / (step time less what the step's prefill chunks added to it). The paper's reward
@@ -47,6 +47,31 @@ wrong arm at saturation", "Adaptation under load", rounds 2-6):
   altogether (they still count as plays and advance the counters); it was not better than the
   published reward beyond noise, because at saturation most speculative steps carry an arrival and
   their arms are then rarely sampled.
+- ``catch_up`` (default ``amortized``): the draft's catch-up on what it missed (a run of γ = 0,
+  arrivals' prompts) is paid by whichever γ > 0 step comes next, so it is left out of that
+  step's reward and charged in Eq. (3) instead, in the units of 1/g̃: the catch-up that
+  speculating now would run, c_prefill, spread over the tokens the rest of the bin is expected
+  to emit (steps left × n × E(γ)), whatever γ_{t−1} was. Charged to the arm that ran it, it
+  condemned whichever arm was explored in a burst of arrivals or right after γ = 0 (the longer
+  γ = 0 ran, the larger the lag and the worse the next γ > 0 sample: γ = 0 locked itself in;
+  under contention a switch step's catch-up was half its 73 ms); and Eq. (3)'s printed term
+  then kept γ = 0. ``catch_up=paper``: the catch-up stays in the reward and Eq. (3) adds
+  1[γ_{t−1} = 0]·c_prefill(L_max)/γ.
+- ``whiten`` (default on): a reward of an arm other than the context's leading (most sampled)
+  one is measured against the leading arm's steps just before it, dividing out the AR(1)
+  forecast of the machine's current slowness (``_whitened``): slow spells of tens of steps
+  otherwise fall on a whole exploration bin and condemn its arm. Confidence bounds take a
+  sample's variance as at least the leading arm's (measured over many spells) and count
+  consecutive samples at their effective number, (1 − ρ)/(1 + ρ) each (``_Context.bound_var``).
+- ``explore`` (default ``thompson``): an exploration bin plays an arm measured fewer than twice
+  if there is one, else the plausible arm whose draw from N(g̃, sd²) is highest (Thompson
+  sampling), so each arm is explored about as often as it could be the best; ``uniform`` draws
+  uniformly as Algorithm 1 does. At saturation an exploring step of a poor arm costs up to 3×
+  a good one, and Algorithm 1 explores 40-45% of the bins at the horizons of a serving run
+  (1/√b, b restarting every block).
+- ``explore_steps`` (default 4): an exploration bin explores at most this many steps and
+  exploits the rest of the bin. Bins grow to √H steps (32 at H = 1024); shorter stints cost
+  less and spread an arm's samples over more spells of the machine's noise.
 - ``eliminate`` (default on): an exploration bin draws its arm uniformly among the *plausible*
   arms only, those with fewer than two samples or whose upper confidence bound g̃ + z·sd reaches
   the best arm's lower bound (z = ``confidence_z``, default 2), and a bin whose arm stops being
@@ -74,12 +99,13 @@ wrong arm at saturation", "Adaptation under load", rounds 2-6):
   tokens before any), because acceptance belongs to the model pair and the text, not to the
   load, while the step cost, which does depend on the load, comes from the profile. So a batch
   size seen for the first time starts at the arm the profile and the acceptance seen so far
-  favour, rather than spending one step on every arm (explore-first), and elimination leaves
-  out arms whose prior, ± ``confidence_z``·``prior_sd`` (0.3) relative, cannot reach the
-  best. The first real sample of an arm replaces its prior (the prior is a starting point, not
-  evidence that could outweigh measurements), so a wrong prior costs at most the steps until
-  each plausible arm was sampled; Algorithm 1's exploration bins still draw every plausible
-  arm. ``prior=false`` restores explore-first and needs no profile. The prior ignores the
+  favour, rather than spending one step on every arm (explore-first). The prior only orders:
+  it never excludes an arm from exploration (elimination needs two measured samples), because
+  a profile measured in other conditions than the run's is wrong by more than any spread we
+  could give it (in the simulator's saturation-stale-profile a prior that excluded arms kept
+  the best arms out: 0.91× the best fixed arm, 0.96× without). The first real sample of an
+  arm replaces its prior, so a wrong prior costs at most the steps until each arm was
+  sampled. ``prior=false`` restores explore-first and needs no profile. The prior ignores the
   prefill tokens a step carries (the profile cannot price them per γ); it errs towards arms
   not yet sampled, which is the safe direction for a bandit.
 
@@ -108,9 +134,10 @@ Choices the paper leaves open:
 - c_prefill(L_max, B), with L_max = max(view.pending_draft_tokens) (§4.2, "Prefill Cost
   Modeling"):
   * with a profile (option ``profile``, a path or a StepProfile from ``jspec profile``, or the
-    one the engine measured for the prior): the profile's ``c_prefill(L_max, n_decode)``, its
+    one the engine measured for the prior): the profile's ``c_prefill(L, n_decode)``, its
     catch-up table interpolated as the paper's Table 3; the batch axis is the number of
-    decoding sequences, the ones that catch up;
+    decoding sequences, the ones that catch up; L is L_max with ``catch_up=paper``, else
+    1 + the mean of max(pending_i − 1, 0) (the engine catches up ragged, see below);
   * without (``prior=false`` and no profile given): estimated online. Each observed step with catch-up work adds its
     (catch_up_time, catch_up_tokens) to exponentially decayed sums (factor 0.95 per such step,
     so the estimate follows the hardware's current state); seconds per catch-up token
@@ -119,7 +146,8 @@ Choices the paper leaves open:
     lagging token but the newest (which the draft loop consumes), so the cost scales with the
     tokens themselves, not with L_max·B of a padded batch. Until a catch-up has been seen the
     estimate is 0 (no evidence of a cost, no penalty).
-  Option ``switching_cost=False`` drops the term (plain ADA-BINGREEDY with contexts).
+  Nothing lags (every pending_i ≤ 1): c_prefill = 0. Option ``switching_cost=False`` drops the
+  term (plain ADA-BINGREEDY with contexts).
 """
 
 from __future__ import annotations
@@ -132,18 +160,23 @@ from typing import Any
 import numpy as np
 
 from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
-                           expected_tokens, judged_acceptance, option_bool, option_number)
+                           expected_tokens, judged_acceptance, option_bool, option_int,
+                           option_number)
 from jspec.policies.prefill_cost import PrefillCost
 from jspec.policies.profile import StepProfile, load_profile
 
 EXPLORE, EXPLOIT = "explore", "exploit"
 # the ``reward`` option's values
 REWARDS = ("decode_marginal", "decode_share", "step", "decode_only")
+EXPLORATIONS = ("thompson", "uniform")  # the ``explore`` option's values
+CATCH_UPS = ("amortized", "paper")  # the ``catch_up`` option's values
 _CATCH_UP_DECAY = 0.95  # weight of older catch-up observations, per new one
 _MIN_REL_SD = 0.02  # floor of a reward's standard deviation, relative to its mean
 _WINDOW = 100  # most samples an arm's mean averages (beyond: an exponential average)
 _ALPHA_DECAY = 0.99  # weight of older acceptance evidence, per step that verified drafts
 _ALPHA_PSEUDO = 8.0  # tokens of evidence alpha0 is worth
+_MAX_INFLATION = 20.0  # most a sample's variance is inflated for autocorrelation
+_RHO_DECAY = 0.995  # weight of older residual pairs in the autocorrelation estimate
 
 
 @dataclasses.dataclass
@@ -163,6 +196,8 @@ class _Context:
     tau: int = 1  # round within the bin
     mode: str | None = None  # type of the open bin; None until its first step is planned
     explore_arm: int = 0  # the arm of an exploration bin (fixed for the bin)
+    lead_residual: float | None = None  # the leading arm's last log residual (``_whitened``)
+    lead_age: int = 0  # steps of this context since it
 
     def advance(self) -> None:
         """Lines 16-22 of Algorithm 1, after a step played in this context."""
@@ -182,6 +217,17 @@ class _Context:
         g̃)² per 100 steps of the context that did not sample it."""
         gap = max(self.clock + ahead - self.last[arm] - 1, 0)
         return self._noise(arm) / self.weight[arm] + (drift * self.goodput[arm]) ** 2 * gap / 100.0
+
+    def bound_var(self, arm: int, drift: float, spread: tuple[float, float]) -> float:
+        """The variance of g̃ that confidence bounds use: ``_mean_var`` with a sample's variance
+        at least ``spread[0]``·g̃² (the machine's noise, measured on the leading arm over many
+        spells: a few samples from one spell vary little among themselves) and the samples
+        counted at their effective number, ``spread[1]`` = (1 + ρ)/(1 − ρ) of them being worth
+        one (consecutive steps share their noise)."""
+        rel_floor, inflation = spread
+        noise = max(self._noise(arm), rel_floor * self.goodput[arm] ** 2) * inflation
+        gap = max(self.clock - self.last[arm] - 1, 0)
+        return noise / self.weight[arm] + (drift * self.goodput[arm]) ** 2 * gap / 100.0
 
     def _noise(self, arm: int) -> float:
         """A sample's variance: the estimate, at least (_MIN_REL_SD · g̃)²."""
@@ -214,20 +260,18 @@ class _Context:
         self.samples[arm] += 1
         self.last[arm] = self.clock
 
-    def plausible(self, z: float, drift: float, prior: np.ndarray | None = None,
-                  prior_sd: float = 0.0) -> list[int]:
+    def plausible(self, z: float, drift: float,
+                  spread: tuple[float, float] = (0.0, 1.0)) -> list[int]:
         """Arms whose goodput could still be the best: g̃ + z·sd at least the best g̃ − z·sd,
-        with sd from ``_mean_var`` (so an arm left out comes back into exploration after a
-        while, the sooner the closer it was). An arm with one sample is always plausible (its
-        spread is unknown); one with none is too, unless a ``prior`` (goodput per arm) is given:
-        then it is judged by the prior, ± z·``prior_sd``·prior."""
+        with sd from ``bound_var`` (so an arm left out comes back into exploration after a
+        while, the sooner the closer it was). An arm with fewer than two samples is always
+        plausible: its spread is unknown, and a prior is a model, not evidence (a step-time
+        profile measured in other conditions than the run's made its prior exclude the arms
+        that were best, docs/benchmarks.md, "Adaptation that never collapses")."""
         bounds = {}
         for a in range(len(self.counts)):
             if self.samples[a] >= 2:
-                mean, half = self.goodput[a], z * math.sqrt(self._mean_var(a, drift))
-            elif self.samples[a] == 0 and prior is not None:
-                mean = float(prior[a])
-                half = z * prior_sd * mean
+                mean, half = self.goodput[a], z * math.sqrt(self.bound_var(a, drift, spread))
             else:
                 continue
             bounds[a] = (mean - half, mean + half)
@@ -245,7 +289,8 @@ class NightjarPolicy(Policy):
                  eliminate: bool = True, reward: str = "decode_marginal",
                  decode_only_reward: bool | None = None,
                  confidence_z: float = 2.0, drift: float = 0.1, prior: bool = True,
-                 prior_sd: float = 0.3, alpha0: float = 0.6):
+                 alpha0: float = 0.6, whiten: bool = True, explore: str = "thompson",
+                 catch_up: str = "amortized", explore_steps: int = 4):
         super().__init__(max_gamma)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{self.name} option seed must be an integer >= 0, got {seed!r}")
@@ -262,7 +307,6 @@ class NightjarPolicy(Policy):
                              f"got {reward!r}")
         confidence_z = option_number(self.name, "confidence_z", confidence_z, low_open=True)
         drift = option_number(self.name, "drift", drift)
-        prior_sd = option_number(self.name, "prior_sd", prior_sd, low_open=True)
         alpha0 = option_number(self.name, "alpha0", alpha0, high=1.0)
         # the engine checks `profile` against its models
         self.profile = load_profile(self.name, profile)
@@ -273,7 +317,16 @@ class NightjarPolicy(Policy):
         self.drift = float(drift)
         self.prior = prior
         self.needs_profile = prior  # the prior's step times: an engine measures a profile
-        self.prior_sd = float(prior_sd)
+        self.whiten = option_bool(self.name, "whiten", whiten)
+        if explore not in EXPLORATIONS:
+            raise ValueError(f"{self.name} option explore must be one of "
+                             f"{', '.join(EXPLORATIONS)}, got {explore!r}")
+        self.explore = explore
+        if catch_up not in CATCH_UPS:
+            raise ValueError(f"{self.name} option catch_up must be one of "
+                             f"{', '.join(CATCH_UPS)}, got {catch_up!r}")
+        self.catch_up = catch_up
+        self.explore_steps = option_int(self.name, "explore_steps", explore_steps, 1)
         self.alpha0 = float(alpha0)
         self._accepted = 0.0  # decayed sums of judged_acceptance, for the prior's α
         self._judged = 0.0
@@ -284,6 +337,10 @@ class NightjarPolicy(Policy):
         self._catch_up_tokens = 0.0
         self._prefill_cost = PrefillCost()  # the marginal cost of prefill tokens (reward)
         self._pending: dict[str, Any] | None = None  # the decision awaiting its outcome
+        # decayed sums of the leading arms' consecutive log residuals, for their lag-1
+        # autocorrelation (``_whitened``): Σ e_{t−1}·e_t, Σ e_{t−1}², pairs
+        self._rho_sums = [0.0, 0.0, 0.0]
+        self._lead_sq = [0.0, 0.0]  # decayed Σ e², count: the relative noise variance
 
     # ------------------------------------------------------------------ decisions
     def plan(self, view: BatchView) -> DraftPlan:
@@ -301,21 +358,51 @@ class NightjarPolicy(Policy):
         if ctx.mode is None:  # τ_B = 1: bin initialization (lines 6-8)
             explore = self._rng.random() < 1.0 / math.sqrt(ctx.b)
             ctx.mode = EXPLORE if explore else EXPLOIT
-            if explore:  # uniform exploration, one arm for the whole bin (lines 9-11), among
-                # the arms not shown to be worse (see "Deviations")
-                arms = self._plausible(ctx, prior)
-                ctx.explore_arm = int(arms[int(self._rng.integers(len(arms)))])
+            if explore:  # one arm for the whole bin (lines 9-11), among the arms not shown
+                # to be worse, drawn as the ``explore`` option says (see "Deviations")
+                ctx.explore_arm = self._explore_arm(ctx)
         if (ctx.mode == EXPLORE and self.eliminate
-                and ctx.explore_arm not in self._plausible(ctx, prior)):
+                and ctx.explore_arm not in self._plausible(ctx)):
             ctx.mode = EXPLOIT  # the bin's arm was shown to be worse: exploit the rest of it
+        if ctx.mode == EXPLORE and ctx.tau > self.explore_steps:
+            ctx.mode = EXPLOIT  # the bin explored long enough: exploit the rest of it
         gamma = ctx.explore_arm if ctx.mode == EXPLORE else self._exploit(ctx, view, prior)
         self._pending = {"context": key, "gamma": gamma, "forced": False}
         return DraftPlan(gammas=np.full(n, gamma, np.int32))
 
-    def _plausible(self, ctx: _Context, prior: np.ndarray | None) -> list[int]:
+    def _explore_arm(self, ctx: _Context) -> int:
+        """The arm of a new exploration bin among the plausible ones: uniformly (Algorithm 1),
+        or by Thompson sampling: an arm measured fewer than twice first (uniformly among
+        those), else the arm whose draw from N(g̃, sd²) is highest, so each is explored as
+        often as it could be the best."""
+        arms = self._plausible(ctx)
+        if self.explore == "thompson":
+            unmeasured = [a for a in arms if ctx.samples[a] < 2]
+            if not unmeasured:
+                spread = self.spread
+                draws = [self._rng.normal(ctx.goodput[a],
+                                          math.sqrt(ctx.bound_var(a, self.drift, spread)))
+                         for a in arms]
+                return int(arms[int(np.argmax(draws))])
+            arms = unmeasured
+        return int(arms[int(self._rng.integers(len(arms)))])
+
+    def _plausible(self, ctx: _Context) -> list[int]:
         if not self.eliminate:
             return list(range(self.max_gamma + 1))
-        return ctx.plausible(self.confidence_z, self.drift, prior, self.prior_sd)
+        return ctx.plausible(self.confidence_z, self.drift, self.spread)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """(the leading arms' relative noise variance, the autocorrelation's variance inflation
+        (1 + ρ)/(1 − ρ)) for confidence bounds (``_Context.bound_var``); (0, 1) with
+        ``whiten=false``."""
+        if not self.whiten:
+            return 0.0, 1.0
+        sq, count = self._lead_sq
+        rel_var = sq / count if count >= 20 else 0.0
+        rho = self.rho
+        return rel_var, min((1.0 + rho) / (1.0 - rho), _MAX_INFLATION)
 
     def _exploit(self, ctx: _Context, view: BatchView, prior: np.ndarray | None) -> int:
         """Eq. (3); without a prior, explore-first for arms never played in this context
@@ -336,9 +423,20 @@ class NightjarPolicy(Policy):
             known = sampled & (g > 0)
         scores = np.full(len(g), np.inf)
         scores[known] = 1.0 / g[known]
-        if self.switching_cost and self._prev_gamma == 0 and self.max_gamma > 0:
-            arms = np.arange(1, self.max_gamma + 1)
-            scores[1:] += self.c_prefill(view) / arms
+        if self.max_gamma == 0:
+            return scores
+        arms = np.arange(1, self.max_gamma + 1)
+        if self.catch_up == "paper":
+            if self.switching_cost and self._prev_gamma == 0:
+                scores[1:] += self.c_prefill(view) / arms
+            return scores
+        # seconds per token, as 1/g̃: the catch-up that speculating now runs (on what the draft
+        # missed: a γ = 0 run, arrivals' prompts) over the tokens of the bin's remaining steps
+        # (the period Algorithm 1 commits a decision for)
+        if self.switching_cost:
+            steps = max(math.isqrt(ctx.H) - ctx.tau + 1, 1)
+            tokens = steps * view.num_decode * expected_tokens(self.alpha, arms)
+            scores[1:] += self.c_prefill(view) / tokens
         return scores
 
     def scores(self, view: BatchView) -> np.ndarray:
@@ -372,8 +470,14 @@ class NightjarPolicy(Policy):
         pending = np.asarray(view.pending_draft_tokens, np.int64)
         if pending.size == 0:
             return 0.0
+        if pending.max() <= 1:  # the draft loop consumes the newest token itself
+            return 0.0
         if self.profile is not None:
-            return self.profile.c_prefill(float(pending.max()), view.num_decode)
+            # the engine catches up ragged: the cost follows the lagging tokens (their mean per
+            # row), where the paper pads every row to L_max
+            lag = pending.max() if self.catch_up == "paper" else 1.0 + np.maximum(pending - 1,
+                                                                                     0).mean()
+            return self.profile.c_prefill(float(lag), view.num_decode)
         if self._catch_up_tokens <= 0:
             return 0.0
         seconds_per_token = self._catch_up_time / self._catch_up_tokens
@@ -401,15 +505,74 @@ class NightjarPolicy(Policy):
         arm = decision["gamma"]
         ctx.counts[arm] += 1
         self._prefill_cost.observe(outcome)
-        if self.reward == "decode_marginal":
-            ctx.record(arm, outcome.emitted_per_second(self._prefill_cost.decode_time(outcome)),
-                       self.drift)
-        elif self.reward == "decode_share":
-            ctx.record(arm, outcome.decode_goodput, self.drift)
-        elif self.reward == "step" or outcome.num_prefill_tokens == 0:
-            ctx.record(arm, outcome.goodput, self.drift)
+        reward = self._reward(outcome)
+        ctx.lead_age += 1
+        if reward is not None:
+            ctx.record(arm, self._whitened(ctx, arm, reward), self.drift)
         if not decision["forced"]:
             ctx.advance()
+
+    def _reward(self, outcome: StepOutcome) -> float | None:
+        """The step's reward under the ``reward`` option (None: the step is no sample). With
+        ``catch_up=amortized`` the draft's catch-up is left out of it and charged in Eq. (3)
+        instead (``_scores``): catch-up is paid for what the draft missed (a γ = 0 run, the
+        prompts of arrivals), not for the arm that happens to be played when it comes due, so
+        charging it to that arm condemns whichever arm was explored in a burst of arrivals or
+        right after γ = 0 (and the longer γ = 0 runs, the larger the lag and the worse the next
+        γ > 0 sample: γ = 0 locks itself in)."""
+        if self.reward == "decode_marginal":
+            seconds = self._prefill_cost.decode_time(outcome)
+        elif self.reward == "decode_share":
+            seconds = outcome.decode_time
+        elif self.reward == "step" or outcome.num_prefill_tokens == 0:
+            seconds = outcome.step_time
+        else:
+            return None
+        if self.catch_up == "amortized":
+            seconds = max(seconds - outcome.catch_up_time, 0.1 * seconds)
+        return outcome.emitted_per_second(seconds)
+
+    @property
+    def rho(self) -> float:
+        """Lag-1 autocorrelation of the leading arm's log rewards (0 until 20 pairs were seen;
+        at most 0.95)."""
+        xy, xx, pairs = self._rho_sums
+        if pairs < 20 or xx <= 0:
+            return 0.0
+        return min(max(xy / xx, 0.0), 0.95)
+
+    def _whitened(self, ctx: _Context, arm: int, reward: float) -> float:
+        """``reward`` measured against the leading arm's steps just before it.
+
+        Step times on a shared CPU drift: slow spells last tens of steps (another process takes
+        a core; the development machine's step-time noise has a lag-1 autocorrelation of
+        0.8-0.9). Algorithm 1 explores an arm for a whole bin of consecutive steps, so all of a
+        bin's samples can fall in one spell: the arm is judged 40% worse than it is, its bound
+        shrinks as if the samples were independent, and it is eliminated, or never exploited,
+        for the rest of the run (docs/benchmarks.md, "Adaptation that never collapses").
+
+        The leading arm (the context's most sampled one) is played most of the time, so its
+        g̃ averages over many spells, and its last log residual e = log(r / g̃) says how slow
+        the machine is right now. Any other arm's reward is divided by exp(ρ^k e), the AR(1)
+        forecast of that slowness k steps of the context later, as a treatment is compared
+        with the control measured beside it. The leading arm's own rewards are kept as they
+        are (correcting an arm by its own residual would anchor it to its current g̃); they
+        update e and, pair by pair, the autocorrelation ρ."""
+        lead = int(np.argmax(ctx.samples))
+        if arm == lead and ctx.samples[arm] >= 2 and ctx.goodput[arm] > 0 and reward > 0:
+            residual = math.log(reward / ctx.goodput[arm])
+            if ctx.lead_residual is not None and ctx.lead_age == 1:
+                d = _RHO_DECAY
+                xy, xx, pairs = self._rho_sums
+                self._rho_sums = [d * xy + ctx.lead_residual * residual,
+                                  d * xx + ctx.lead_residual ** 2, d * pairs + 1.0]
+            ctx.lead_residual, ctx.lead_age = residual, 0
+            self._lead_sq = [_RHO_DECAY * self._lead_sq[0] + residual * residual,
+                             _RHO_DECAY * self._lead_sq[1] + 1.0]
+            return reward
+        if arm == lead or ctx.lead_residual is None or not self.whiten:
+            return reward
+        return reward * math.exp(-(self.rho ** ctx.lead_age) * ctx.lead_residual)
 
     # ------------------------------------------------------------------ introspection
     def context_stats(self) -> dict[int, dict[str, Any]]:
@@ -451,6 +614,8 @@ class NightjarPolicy(Policy):
             "prefill_cost": self._prefill_cost.state_dict(),
             "rng": self._rng.bit_generator.state,
             "pending": None if self._pending is None else dict(self._pending),
+            "rho_sums": list(self._rho_sums),
+            "lead_sq": list(self._lead_sq),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -477,6 +642,9 @@ class NightjarPolicy(Policy):
                 ctx.var = [float(x) for x in ctx.var]
                 ctx.last = [int(x) for x in ctx.last]
                 ctx.clock = int(ctx.clock)
+                ctx.lead_age = int(ctx.lead_age)
+                if ctx.lead_residual is not None:
+                    ctx.lead_residual = float(ctx.lead_residual)
                 contexts[int(key)] = ctx
             rng = np.random.default_rng()
             rng.bit_generator.state = state["rng"]
@@ -488,6 +656,11 @@ class NightjarPolicy(Policy):
             prefill_cost = PrefillCost()  # saved before the marginal reward: nothing fitted yet
             if "prefill_cost" in state:
                 prefill_cost.load_state_dict(state["prefill_cost"])
+            rho_sums = [float(x) for x in state.get("rho_sums", [0.0, 0.0, 0.0])]
+            lead_sq = [float(x) for x in state.get("lead_sq", [0.0, 0.0])]
+            if len(rho_sums) != 3 or len(lead_sq) != 2:
+                raise ValueError(f"rho_sums / lead_sq have {len(rho_sums)} / {len(lead_sq)} "
+                                 f"sums, expected 3 / 2")
             pending = state.get("pending")
             if pending is not None:
                 pending = {"context": int(pending["context"]), "gamma": int(pending["gamma"]),
@@ -502,3 +675,4 @@ class NightjarPolicy(Policy):
         self._accepted, self._judged = acceptance
         self._prefill_cost = prefill_cost
         self._pending = pending
+        self._rho_sums, self._lead_sq = rho_sums, lead_sq
