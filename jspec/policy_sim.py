@@ -89,6 +89,10 @@ class Environment:
     confidence_concentration: float = 2.0  # Beta concentration of a token's confidence q
     noise_sd: float = 0.1  # standard deviation of the log step-time noise
     noise_rho: float = 0.8  # its lag-1 autocorrelation
+    # (slowdown, mean spell in steps): another process takes a core in spells, slowing every
+    # step in a spell by ``slowdown``; spells and free stretches last ``mean spell`` steps on
+    # average (a two-state Markov chain). None: no contention.
+    contention: tuple[float, float] | None = None
     prefill_chunk: int = 256  # most prompt tokens a step prefills (chunked prefill)
     max_gamma: int = 4
     # the cost the policies' step-time profile is measured from (None: the true one); another
@@ -282,6 +286,8 @@ class _Simulation:
         # separate streams, so every policy on a seed meets the same noise and requests
         self.noise_rng = streams[0]
         self.noise = ar1_noise(self.noise_rng, _NOISE_CHUNK, env.noise_rho)
+        self.spells = np.zeros(0, bool)
+        self.spells = self._spells(_NOISE_CHUNK)
         self.requests = _Requests(streams[1])
         self.rng = streams[2]
         policy.set_pool(("draft",))
@@ -297,11 +303,28 @@ class _Simulation:
                          draft_resident=True, max_gamma=self.env.max_gamma)
 
     def noise_at(self, t: int) -> float:
-        """The step-time factor of step ``t``: exp(σ x_t), x the AR(1) series (grown on use)."""
+        """The step-time factor of step ``t``: exp(σ x_t), x the AR(1) series, times the
+        slowdown of a contention spell (both grown on use)."""
         while t >= len(self.noise):
             more = ar1_noise(self.noise_rng, _NOISE_CHUNK, self.env.noise_rho, self.noise[-1])
             self.noise = np.concatenate([self.noise, more])
-        return float(np.exp(self.env.noise_sd * self.noise[t]))
+            self.spells = np.concatenate([self.spells, self._spells(_NOISE_CHUNK)])
+        factor = float(np.exp(self.env.noise_sd * self.noise[t]))
+        if self.env.contention is not None and self.spells[t]:
+            factor *= self.env.contention[0]
+        return factor
+
+    def _spells(self, steps: int) -> np.ndarray:
+        """Whether each of the next ``steps`` steps falls in a contention spell."""
+        if self.env.contention is None:
+            return np.zeros(steps, bool)
+        switch = self.noise_rng.random(steps) < 1.0 / self.env.contention[1]
+        state = bool(self.spells[-1]) if len(self.spells) else bool(self.noise_rng.random() < 0.5)
+        out = np.empty(steps, bool)
+        for i in range(steps):
+            state ^= bool(switch[i])
+            out[i] = state
+        return out
 
     def step(self, t: int, progress: float) -> dict[str, float]:
         env, policy, r = self.env, self.policy, self.requests
@@ -459,6 +482,10 @@ ENVIRONMENTS = {env.name: env for env in (
     # saturation-no-pay: a start-up profile taken in other conditions than the run's
     Environment("saturation-stale-profile", (Phase(0.0, 32, 0.88),), cost=_MEMORY_BOUND,
                 profile_cost=_COMPUTE_BOUND),
+    # saturation-pays on a CPU shared with another process: spells of ~20 steps at 2x the step
+    # time (issue 38's collapse reproduced on the development machine with a competing load)
+    Environment("saturation-contended", (Phase(0.0, 32, 0.88),), cost=_MEMORY_BOUND,
+                contention=(2.0, 20.0)),
 )}
 
 

@@ -3,6 +3,8 @@ driving every registered policy through the engine's protocol."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -154,3 +156,71 @@ def test_a_stale_profile_is_what_the_policies_are_given():
     fresh = make_policy("dsd", env.max_gamma)
     run_policy(ENVIRONMENTS["saturation-pays"], fresh, 0, 1.0)
     assert fresh.profile.target_step(32, 5, 200) == pytest.approx(env.cost.target(160, 160 * 200))
+
+
+# The worst seed of Nightjar (and so `auto`, the same class with the same defaults) against the
+# best fixed arm in hindsight on each seed, in every environment. The seeds are not the ones the
+# policy's design was compared on (0-5, 20-29, 40-49: docs/benchmarks.md, "Adaptation that never
+# collapses", which gives the worst over those too).
+_SEEDS = range(100, 104)
+
+
+# dsd and adaspec do not model the draft's catch-up on arrivals' prompts, which the long prompts
+# of prefill-bursts make costly: 0.92-0.93 there (docs/benchmarks.md)
+_CASES = ([("nightjar", name) for name in sorted(ENVIRONMENTS)]
+          + [(policy, name) for policy in ("dsd", "adaspec") for name in sorted(ENVIRONMENTS)
+             if name != "prefill-bursts"])
+
+
+@functools.lru_cache(maxsize=None)
+def _best_fixed(name: str) -> np.ndarray:
+    env = ENVIRONMENTS[name]
+    return np.max(np.stack([throughputs(env, make, _SEEDS, 100.0)
+                            for make in fixed_arms(env.max_gamma).values()]), axis=0)
+
+
+@pytest.mark.parametrize("policy, name", _CASES)
+def test_worst_seed_against_the_best_fixed_arm(policy, name):
+    env = ENVIRONMENTS[name]
+    ratios = throughputs(env, lambda: make_policy(policy, env.max_gamma), _SEEDS,
+                         100.0) / _best_fixed(name)
+    assert ratios.min() >= 0.95, (policy, name, ratios)
+
+
+@pytest.mark.parametrize("policy", ["dsd", "adaspec"])
+def test_a_stale_profile_yields_to_the_runs_measurements(policy):
+    """Planned from a profile of a compute-bound target on a memory-bound one, DSD and AdaSpec
+    trusted it and stayed short of the best arm; with the run's own linear time model
+    (``measured``, the default) they reach 0.95 (``test_worst_seed_against_the_best_fixed_arm``)."""
+    name = "saturation-stale-profile"
+    env = ENVIRONMENTS[name]
+    trusting = throughputs(env, lambda: make_policy(policy, 4, measured=False), _SEEDS,
+                           100.0) / _best_fixed(name)
+    assert trusting.max() < 0.9, trusting
+
+
+def test_algorithm_1_as_published_collapses_where_nightjar_does_not():
+    """The published rule (uniform exploration of every arm for whole bins, catch-up in the
+    reward, Eq. (3) as printed, no elimination or prior) on the same seeds: the deviations are
+    what holds the bound."""
+    env = ENVIRONMENTS["saturation-no-pay"]
+    paper = dict(eliminate=False, drift=0.0, prior=False, explore="uniform", whiten=False,
+                 catch_up="paper", explore_steps=10 ** 9, reward="step")
+    ratios = throughputs(env, lambda: make_policy("nightjar", 4, **paper), _SEEDS,
+                         100.0) / _best_fixed("saturation-no-pay")
+    assert ratios.max() < 0.9, ratios  # 0.81-0.83: it keeps exploring costly γ > 0
+
+
+def test_contention_slows_steps_in_spells():
+    """saturation-contended: steps in a spell take twice as long, and spells last tens of
+    steps, so the step times' lag-1 autocorrelation is far above the AR(1) noise's alone."""
+    env = ENVIRONMENTS["saturation-contended"]
+    quiet = Environment("quiet", env.phases, cost=env.cost)
+    policy = lambda: make_policy("static", 4, gamma=3)  # noqa: E731
+    slow = run_policy(env, policy(), 0, 60.0).records["step_time"]
+    fast = run_policy(quiet, policy(), 0, 60.0).records["step_time"]
+    n = min(len(slow), len(fast))
+    ratio = slow[:n] / fast[:n]
+    in_spell = ratio > 1.5
+    assert 0.3 < in_spell.mean() < 0.7
+    np.testing.assert_allclose(ratio[in_spell], 2.0, rtol=1e-6)
