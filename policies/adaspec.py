@@ -109,7 +109,9 @@ Options: ``profile`` (path or StepProfile; default: the one the engine measures 
 jspec/autoprofile.py), ``tpot_slo`` (seconds, None = no SLO),
 ``confidence_prior`` (c̄ before anything was observed, 0.6), ``verifier`` (True; False skips
 select() and its host sync: the paper's AdaSpec− ablation, drafter only), ``calibrate``,
-``probe_tokens``, ``confidence_z`` ((d)).
+``probe_tokens``, ``confidence_z`` ((d)), ``measured`` (True: once the run's own steps tell
+the target's cost per token from its fixed cost, its linear time model replaces the profile's,
+policies/measured_time.py; False: the profile throughout, as the paper's offline fit).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ import numpy as np
 
 from jspec.policies.base import (BatchView, DraftPlan, DraftStats, Policy, StepOutcome, judged_rows,
                            option_bool, option_number)
+from jspec.policies.measured_time import MeasuredTime
 from jspec.policies.profile import StepProfile, load_profile
 
 _KAPPA_PSEUDO = 4.0  # judged tokens of evidence the calibration prior κ = 1 is worth
@@ -149,9 +152,11 @@ class AdaSpecPolicy(Policy):
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  tpot_slo: float | None = None, confidence_prior: float = 0.6,
                  verifier: bool = True, calibrate: bool = True, probe_tokens: int = 16,
-                 confidence_z: float = 2.0):
+                 confidence_z: float = 2.0, measured: bool = True):
         super().__init__(max_gamma)
         self.profile = load_profile(self.name, profile)
+        self.measured = option_bool(self.name, "measured", measured)
+        self._time = MeasuredTime()  # the run's own linear time model (``measured``)
         if tpot_slo is not None:
             if isinstance(tpot_slo, bool) or not isinstance(tpot_slo, (int, float)) \
                     or not tpot_slo > 0:
@@ -220,23 +225,32 @@ class AdaSpecPolicy(Policy):
 
     def step_time(self, view: BatchView, verify_tokens: float, draft_steps: int) -> float:
         """T = draft_steps·draft_step(B, L) + target_step(B, 1 + verify_tokens/B, L) (§4.1)."""
-        batch, ctx = self._load(view)
-        return (self.step_profile.target_step(batch, 1.0 + verify_tokens / batch, ctx)
-                + self.draft_time(view, draft_steps))
+        return float(self.target_costs(view, 0, verify_tokens)[0]
+                     + self.draft_time(view, draft_steps))
 
     def draft_time(self, view: BatchView, draft_steps: int) -> float:
-        """draft_steps forwards of the draft, one token per row each."""
+        """draft_steps forwards of the draft, one token per row each: the run's measured
+        forward (``measured``), else the profile's."""
         if draft_steps <= 0:
             return 0.0
-        return draft_steps * self.step_profile.draft_step(*self._load(view))
+        forward = self._time.draft_forward() if self.measured else None
+        if forward is None:
+            forward = self.step_profile.draft_step(*self._load(view))
+        return draft_steps * forward
 
-    def target_costs(self, view: BatchView, max_tokens: int) -> np.ndarray:
-        """target_step(B, 1 + K/B, L) for K = 0..max_tokens verify tokens, in one numpy pass:
-        select() runs between the draft and the verify forward, so its time adds to every step,
-        and one scalar lookup per removed token would cost ~10 µs each."""
+    def target_costs(self, view: BatchView, max_tokens: int, first: float = 0.0) -> np.ndarray:
+        """target_step(B, 1 + K/B, L) for K = first..first + max_tokens verify tokens, in one
+        numpy pass: select() runs between the draft and the verify forward, so its time adds to
+        every step, and one scalar lookup per removed token would cost ~10 µs each. With
+        ``measured`` (once the run's steps tell a from b) the run's own linear model of the
+        target over the decode rows' width, n + K (policies/measured_time.py: a profile taken
+        in other conditions than the run's is not trusted over the run's measurements)."""
+        tokens = first + np.arange(max_tokens + 1)
+        measured = self._time.target(view.num_decode + tokens) if self.measured else None
+        if measured is not None:
+            return measured
         batch, ctx = self._load(view)
-        return self.step_profile.target_steps(batch, 1.0 + np.arange(max_tokens + 1) / batch,
-                                              ctx)
+        return self.step_profile.target_steps(batch, 1.0 + tokens / batch, ctx)
 
     def _efficiency(self, accepted: float, time: float, speculating: bool) -> float:
         """N/T, or −1 when a speculating step would break the TPOT SLO (§5.3)."""
@@ -347,6 +361,7 @@ class AdaSpecPolicy(Policy):
         return self.verifier
 
     def observe(self, outcome: StepOutcome) -> None:
+        self._time.observe(outcome)
         conf = np.asarray(outcome.confidence, np.float64)
         seen = conf[~np.isnan(conf)]
         self.conf_sum += float(seen.sum())

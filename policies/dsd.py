@@ -35,7 +35,9 @@ that, and a bound over all tokens ever seen once froze α at a noisy 0.57 where 
 tokens said 0.87). With no evidence it speculates and learns, and γ = 0 is chosen when even the
 bound says speculation loses (``confidence_z=0``: the plain EMA, as the baseline is usually
 stated). Options: ``profile`` (default: the one the engine measures at start-up,
-jspec/autoprofile.py), ``alpha0``, ``ema``, ``rate``, ``confidence_z``.
+jspec/autoprofile.py), ``alpha0``, ``ema``, ``rate``, ``confidence_z``, ``measured`` (True: the
+baseline's linear time model fitted on the run's own steps once they tell the target's cost per
+token from its fixed cost, policies/measured_time.py; False: the profile throughout).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from typing import Any
 import numpy as np
 
 from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, expected_tokens,
-                           judged_acceptance, option_number)
+                           judged_acceptance, option_bool, option_number)
+from jspec.policies.measured_time import MeasuredTime
 from jspec.policies.profile import StepProfile, load_profile
 
 _RATES = ("judged", "verified")
@@ -67,7 +70,7 @@ class DSDPolicy(Policy):
 
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  alpha0: float = 0.6, ema: float = 0.1, rate: str = "judged",
-                 confidence_z: float = 2.0):
+                 confidence_z: float = 2.0, measured: bool = True):
         super().__init__(max_gamma)
         self.profile = load_profile(self.name, profile)
         self.alpha0 = _unit("alpha0", alpha0, low_open=False)
@@ -79,6 +82,8 @@ class DSDPolicy(Policy):
         self.alpha = self.alpha0
         self.num_updates = 0
         self.judged_tokens = 0.0  # judged draft tokens the EMA remembers (the bound's n)
+        self.measured = option_bool(self.name, "measured", measured)
+        self._time = MeasuredTime()  # the run's own linear time model
 
     @property
     def planning_alpha(self) -> float:
@@ -90,11 +95,25 @@ class DSDPolicy(Policy):
 
     def goodputs(self, view: BatchView) -> np.ndarray:
         """Predicted goodput n·E(γ)/T(γ) for γ = 0..max_gamma."""
-        batch = max(view.batch_size, view.num_decode, 1)
-        ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
         gammas = np.arange(self.max_gamma + 1)
         tokens = expected_tokens(self.planning_alpha, gammas)
-        return view.num_decode * tokens / self.step_profile.step_times(batch, gammas, ctx)
+        return view.num_decode * tokens / self.step_times(view, gammas)
+
+    def step_times(self, view: BatchView, gammas: np.ndarray) -> np.ndarray:
+        """T(γ): the profile's, or with ``measured`` (once the steps seen tell a from b) the
+        linear time model measured on this run: the target's a + b·w over the decode rows'
+        width w = n·(γ + 1), plus γ draft forwards at their measured cost (the profile's until a
+        draft has run). A prefill chunk in the step costs the same whatever γ; counted in T it
+        would dilute speculation's cost and favour it exactly when the chunk is large."""
+        batch = max(view.batch_size, view.num_decode, 1)
+        ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
+        target = self._time.target(view.num_decode * (gammas + 1)) if self.measured else None
+        if target is None:
+            return self.step_profile.step_times(batch, gammas, ctx)
+        per_forward = self._time.draft_forward()
+        if per_forward is None:
+            per_forward = self.step_profile.draft_step(batch, ctx)
+        return target + gammas * per_forward
 
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode
@@ -113,6 +132,7 @@ class DSDPolicy(Policy):
         return accepted / judged if judged else None
 
     def observe(self, outcome: StepOutcome) -> None:
+        self._time.observe(outcome)
         r = self.step_rate(outcome)
         if r is not None:
             self.alpha = (1.0 - self.ema) * self.alpha + self.ema * r

@@ -44,8 +44,9 @@ class PrefillCost:
         t = outcome.target_time
         self.sums = [self.decay * s + x for s, x in zip(self.sums, (1.0, w, w * w, t, w * t))]
 
-    def slope(self) -> float | None:
-        """Seconds per token of the forward's width (b), or None while the fit cannot tell."""
+    def line(self) -> tuple[float, float] | None:
+        """(a, b): the target's seconds at width 0 and per token of the forward's width, or None
+        while the fit cannot tell them apart."""
         n, sw, sww, st, swt = self.sums
         if n < _MIN_WEIGHT:
             return None
@@ -53,7 +54,13 @@ class PrefillCost:
         var_w = sww / n - mean_w * mean_w
         if var_w <= (_MIN_REL_SPREAD * mean_w) ** 2:
             return None
-        return max((swt / n - mean_w * st / n) / var_w, 0.0)
+        b = max((swt / n - mean_w * st / n) / var_w, 0.0)
+        return max(st / n - b * mean_w, 0.0), b
+
+    def slope(self) -> float | None:
+        """Seconds per token of the forward's width (b), or None while the fit cannot tell."""
+        line = self.line()
+        return None if line is None else line[1]
 
     def decode_time(self, outcome: StepOutcome) -> float:
         """The step's time less its prefill chunks' marginal cost (b per prompt token, at most

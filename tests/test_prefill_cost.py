@@ -76,3 +76,23 @@ def test_older_steps_fade_so_the_fit_follows_the_machine():
     assert slow.slope() == pytest.approx(2 * B, rel=0.05)
     with pytest.raises(ValueError, match="3 sums, expected 5"):
         slow.load_state_dict({"sums": [1, 2, 3]})
+
+
+def test_the_runs_time_model_fits_the_target_line_and_the_draft_forward():
+    """policies/measured_time.py: the target's a + b·w once the widths tell a from b, and one
+    draft forward's seconds once a draft has run (None before: the profile stands in)."""
+    from jspec.policies.measured_time import MeasuredTime
+
+    time = MeasuredTime()
+    assert time.target([32, 64]) is None and time.draft_forward() is None
+    for width in (32,) * 6:
+        time.observe(_step(width))
+    assert time.target(32) is None  # one width: a and b cannot be told apart
+    for width in (64, 192, 256) * 3:
+        time.observe(_step(width))
+    assert time.target([0, 100]) == pytest.approx([A, A + 100 * B])
+    view = make_view(4)
+    drafted = make_outcome(view, [3] * 4, [2] * 4, step_time=0.05, draft_time=0.012,
+                           num_padded_tokens=16)
+    time.observe(drafted)
+    assert time.draft_forward() == pytest.approx(0.004)  # 12 ms over 3 forwards
