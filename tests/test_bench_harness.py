@@ -581,6 +581,42 @@ def test_headline_goal_checks_and_report():
     assert [g for g, _, _ in goal_checks("step", trace)] == [g for g, _, _ in checks]
 
 
+def _with_rounds(results: dict, by_round: dict[str, tuple[list, list]]) -> dict:
+    """``results`` as `jspec bench serving --rounds` writes them: a summary row per policy with
+    its per-round throughputs and p90 TPOTs (the means are the rows' metrics)."""
+    summary = []
+    for run in results["runs"]:
+        tps, tpot = by_round[run["label"]]
+        summary.append({**run, "rounds": len(tps), "output_tokens_per_s_by_round": tps,
+                        "tpot_p90_s_by_round": tpot})
+    return {**results, "summary": summary}
+
+
+def test_headline_judges_the_worst_round():
+    """With rounds the report judges each adaptive policy's worst round against the best fixed
+    choice's mean: throughput at saturation, p90 TPOT below it."""
+    from jspec.bench.headline import headline_report, worst_run_checks
+
+    rounds = {"off": ([100.0, 100.0, 100.0], [0.010] * 3),
+              "static γ=2": ([120.0, 118.0, 122.0], [0.008] * 3),
+              "nightjar": ([121.0, 119.0, 117.0], [0.0080, 0.0083, 0.0086]),
+              "auto": ([122.0, 110.0, 121.0], [0.0080, 0.0081, 0.0082])}
+    res = _with_rounds(_fake_results({k: sum(v[0]) / 3 for k, v in rounds.items()},
+                                     {k: sum(v[1]) / 3 for k, v in rounds.items()}), rounds)
+    (goal, met, numbers), = worst_run_checks("high", res, "nightjar")
+    assert met and "0.975" in numbers and "nightjar worst of 3 rounds" in goal  # 117 / 120
+    assert not worst_run_checks("high", res, "auto")[0][1]  # 110 / 120 = 0.917
+    # below saturation: the worst p90 TPOT against the lowest fixed mean (8 ms)
+    assert worst_run_checks("low", res, "nightjar")[0][1] is False  # 8.6 / 8.0 = 1.075
+    assert worst_run_checks("low", res, "auto")[0][1] is True  # 8.2 / 8.0 = 1.025
+    assert worst_run_checks("step", res, "nightjar") == []  # changing loads: on the means
+    assert worst_run_checks("high", {**res, "summary": None}, "nightjar") == []
+    report = headline_report({"high": res}, {"high": "jspec bench serving A"})
+    assert "Goals (auto, on the means over the rounds)" in report
+    assert "high: auto worst of 3 rounds >= 0.97 x best fixed: MISSED (0.917" in report
+    assert "; worst of 3: 110.0, 8.20 |" in report
+
+
 def test_serving_warmup_requests(tiny_pair, tmp_path):
     """--warmup-requests N: adaptive policies serve the first N requests unmeasured first (and
     keep what they learned); off / static are measured as they are."""
