@@ -286,8 +286,7 @@ class _Simulation:
         # separate streams, so every policy on a seed meets the same noise and requests
         self.noise_rng = streams[0]
         self.noise = ar1_noise(self.noise_rng, _NOISE_CHUNK, env.noise_rho)
-        self.spells = np.zeros(0, bool)
-        self.spells = self._spells(_NOISE_CHUNK)
+        self.spells = self._spells(_NOISE_CHUNK, None)
         self.requests = _Requests(streams[1])
         self.rng = streams[2]
         policy.set_pool(("draft",))
@@ -308,23 +307,23 @@ class _Simulation:
         while t >= len(self.noise):
             more = ar1_noise(self.noise_rng, _NOISE_CHUNK, self.env.noise_rho, self.noise[-1])
             self.noise = np.concatenate([self.noise, more])
-            self.spells = np.concatenate([self.spells, self._spells(_NOISE_CHUNK)])
+            self.spells = np.concatenate([self.spells,
+                                          self._spells(_NOISE_CHUNK, bool(self.spells[-1]))])
         factor = float(np.exp(self.env.noise_sd * self.noise[t]))
         if self.env.contention is not None and self.spells[t]:
             factor *= self.env.contention[0]
         return factor
 
-    def _spells(self, steps: int) -> np.ndarray:
-        """Whether each of the next ``steps`` steps falls in a contention spell."""
+    def _spells(self, steps: int, last: bool | None) -> np.ndarray:
+        """Whether each of the next ``steps`` steps falls in a contention spell, going on from
+        ``last`` (None: a fresh start, in a spell with probability ½): the state flips with
+        probability 1 / mean spell at each step."""
         if self.env.contention is None:
             return np.zeros(steps, bool)
         switch = self.noise_rng.random(steps) < 1.0 / self.env.contention[1]
-        state = bool(self.spells[-1]) if len(self.spells) else bool(self.noise_rng.random() < 0.5)
-        out = np.empty(steps, bool)
-        for i in range(steps):
-            state ^= bool(switch[i])
-            out[i] = state
-        return out
+        if last is None:
+            last = bool(self.noise_rng.random() < 0.5)
+        return (np.cumsum(switch) + last) % 2 == 1
 
     def step(self, t: int, progress: float) -> dict[str, float]:
         env, policy, r = self.env, self.policy, self.requests
@@ -483,7 +482,7 @@ ENVIRONMENTS = {env.name: env for env in (
     Environment("saturation-stale-profile", (Phase(0.0, 32, 0.88),), cost=_MEMORY_BOUND,
                 profile_cost=_COMPUTE_BOUND),
     # saturation-pays on a CPU shared with another process: spells of ~20 steps at 2x the step
-    # time (issue 38's collapse reproduced on the development machine with a competing load)
+    # time (as on the development machine beside a competing load, where Nightjar collapsed)
     Environment("saturation-contended", (Phase(0.0, 32, 0.88),), cost=_MEMORY_BOUND,
                 contention=(2.0, 20.0)),
 )}

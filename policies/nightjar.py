@@ -62,7 +62,7 @@ saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collaps
   forecast of the machine's current slowness (``_whitened``): slow spells of tens of steps
   otherwise fall on a whole exploration bin and condemn its arm. Confidence bounds take a
   sample's variance as at least the leading arm's (measured over many spells) and count
-  consecutive samples at their effective number, (1 − ρ)/(1 + ρ) each (``_Context.bound_var``).
+  consecutive samples at their effective number, (1 − ρ)/(1 + ρ) each (``_Context._mean_var``).
 - ``explore`` (default ``thompson``): an exploration bin plays an arm measured fewer than twice
   if there is one, else the plausible arm whose draw from N(g̃, sd²) is highest (Thompson
   sampling), so each arm is explored about as often as it could be the best; ``uniform`` draws
@@ -103,9 +103,9 @@ saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collaps
   it never excludes an arm from exploration (elimination needs two measured samples), because
   a profile measured in other conditions than the run's is wrong by more than any spread we
   could give it (in the simulator's saturation-stale-profile a prior that excluded arms kept
-  the best arms out: 0.91× the best fixed arm, 0.96× without). The first real sample of an
-  arm replaces its prior, so a wrong prior costs at most the steps until each arm was
-  sampled. ``prior=false`` restores explore-first and needs no profile. The prior ignores the
+  the best arms out: worst seed 0.90× the best fixed arm, docs/benchmarks.md). The first real
+  sample of an arm replaces its prior, so a wrong prior costs at most the steps until each arm
+  was sampled. ``prior=false`` restores explore-first and needs no profile. The prior ignores the
   prefill tokens a step carries (the profile cannot price them per γ); it errs towards arms
   not yet sampled, which is the safe direction for a bandit.
 
@@ -211,22 +211,19 @@ class _Context:
                 self.H = 2 ** (self.j - 1)
                 self.b = 1
 
-    def _mean_var(self, arm: int, drift: float, ahead: int = 0) -> float:
-        """Variance of g̃ for ``arm``, ``ahead`` steps from now: var / weight from its samples,
+    def _mean_var(self, arm: int, drift: float, ahead: int = 0,
+                  spread: tuple[float, float] = (0.0, 1.0)) -> float:
+        """Variance of g̃ for ``arm``, ``ahead`` steps from now: a sample's variance / weight,
         plus the drift its true goodput may have made while other arms were played, (drift ·
-        g̃)² per 100 steps of the context that did not sample it."""
-        gap = max(self.clock + ahead - self.last[arm] - 1, 0)
-        return self._noise(arm) / self.weight[arm] + (drift * self.goodput[arm]) ** 2 * gap / 100.0
-
-    def bound_var(self, arm: int, drift: float, spread: tuple[float, float]) -> float:
-        """The variance of g̃ that confidence bounds use: ``_mean_var`` with a sample's variance
-        at least ``spread[0]``·g̃² (the machine's noise, measured on the leading arm over many
-        spells: a few samples from one spell vary little among themselves) and the samples
-        counted at their effective number, ``spread[1]`` = (1 + ρ)/(1 − ρ) of them being worth
-        one (consecutive steps share their noise)."""
+        g̃)² per 100 steps of the context that did not sample it. Confidence bounds pass
+        ``spread`` (``NightjarPolicy.spread``): a sample's variance at least ``spread[0]``·g̃²
+        (the machine's noise, measured on the leading arm over many spells: a few samples from
+        one spell vary little among themselves) and the samples counted at their effective
+        number, ``spread[1]`` = (1 + ρ)/(1 − ρ) of them being worth one (consecutive steps share
+        their noise); the Kalman update uses the samples' own variance."""
         rel_floor, inflation = spread
         noise = max(self._noise(arm), rel_floor * self.goodput[arm] ** 2) * inflation
-        gap = max(self.clock - self.last[arm] - 1, 0)
+        gap = max(self.clock + ahead - self.last[arm] - 1, 0)
         return noise / self.weight[arm] + (drift * self.goodput[arm]) ** 2 * gap / 100.0
 
     def _noise(self, arm: int) -> float:
@@ -263,7 +260,7 @@ class _Context:
     def plausible(self, z: float, drift: float,
                   spread: tuple[float, float] = (0.0, 1.0)) -> list[int]:
         """Arms whose goodput could still be the best: g̃ + z·sd at least the best g̃ − z·sd,
-        with sd from ``bound_var`` (so an arm left out comes back into exploration after a
+        with sd from ``_mean_var`` (so an arm left out comes back into exploration after a
         while, the sooner the closer it was). An arm with fewer than two samples is always
         plausible: its spread is unknown, and a prior is a model, not evidence (a step-time
         profile measured in other conditions than the run's made its prior exclude the arms
@@ -271,7 +268,7 @@ class _Context:
         bounds = {}
         for a in range(len(self.counts)):
             if self.samples[a] >= 2:
-                mean, half = self.goodput[a], z * math.sqrt(self.bound_var(a, drift, spread))
+                mean, half = self.goodput[a], z * math.sqrt(self._mean_var(a, drift, spread=spread))
             else:
                 continue
             bounds[a] = (mean - half, mean + half)
@@ -381,7 +378,7 @@ class NightjarPolicy(Policy):
             if not unmeasured:
                 spread = self.spread
                 draws = [self._rng.normal(ctx.goodput[a],
-                                          math.sqrt(ctx.bound_var(a, self.drift, spread)))
+                                          math.sqrt(ctx._mean_var(a, self.drift, spread=spread)))
                          for a in arms]
                 return int(arms[int(np.argmax(draws))])
             arms = unmeasured
@@ -395,7 +392,7 @@ class NightjarPolicy(Policy):
     @property
     def spread(self) -> tuple[float, float]:
         """(the leading arms' relative noise variance, the autocorrelation's variance inflation
-        (1 + ρ)/(1 − ρ)) for confidence bounds (``_Context.bound_var``); (0, 1) with
+        (1 + ρ)/(1 − ρ)) for confidence bounds (``_Context._mean_var``); (0, 1) with
         ``whiten=false``."""
         if not self.whiten:
             return 0.0, 1.0
