@@ -29,6 +29,7 @@ from jspec.models import sharding
 from jspec.models.config import ModelConfig
 from jspec.models.transformer import KVCache, ModelInput, forward
 from jspec.kernels import backend as kernel_backend
+from jspec.kernels.gpu_lowering import KernelShape
 from jspec.kernels import batch_invariance
 from jspec.kernels.kv_migration import pad_pairs, validate_pairs
 from jspec.kernels.ragged_paged_attention import AttentionMetadata
@@ -174,8 +175,6 @@ class ModelRunner:
         self.draft_stats = bool(draft_stats)
         # the chains the policy may play (Policy.possible_chains): what gets compiled
         self.chains = frozenset(c for c in chains if c) if self.pool else frozenset()
-        self.kernel_backend = kernel_backend.resolve(rc.engine.kernel_backend)
-        self._attn = kernel_backend.attention_fn(self.kernel_backend)
         # the target's forwards in batch-invariant numerics (EngineConfig.deterministic): what
         # greedy equality with plain decoding needs; the drafts only propose, so they keep the
         # cheaper batch-dependent arithmetic
@@ -192,6 +191,10 @@ class ModelRunner:
         # in use.
         self.extension_layout = (resolve_elastic_pool_layout(rc.engine.elastic_pool_layout)
                                  if rc.num_extension_blocks else None)
+        # each kernel's backend, judged at every shape this runner runs it at
+        self.kernels = kernel_backend.select(rc.engine.kernel_backend, self._kernel_shapes())
+        self.kernel_backend = str(self.kernels)
+        self._attn = kernel_backend.attention_fn(self.kernels.attention)
         self._extension_in_use = False
         # blocks of the target's pool as one array: the base, plus the extension if preallocated
         self._one_array_blocks = rc.num_kv_blocks + (
@@ -208,6 +211,16 @@ class ModelRunner:
         self.migrate_bucket = min(256, 1 << (max(16, rc.num_extension_blocks) - 1).bit_length())
         self.num_compiled = 0  # executables this runner had to build (not found in the cache)
         self.compile_seconds = 0.0
+
+    def _kernel_shapes(self) -> list[KernelShape]:
+        """Every model's layers over its pool, and the target's pool as two segments where
+        elastic memory's "segments" layout extends it."""
+        shape = functools.partial(KernelShape.of_model, block_size=self.rc.engine.block_size,
+                                  dtype=self.kv_dtype)
+        shapes = [shape(self.target.cfg)] + [shape(m.cfg) for m in self.pool]
+        if self.extension_layout == "segments":
+            shapes.append(shape(self.target.cfg, segments=2))
+        return shapes
 
     def _new_kv(self, cfg: ModelConfig, num_blocks: int, spec) -> KVCache:
         """An empty KV pool; on a mesh, placed by ``spec``."""
@@ -279,7 +292,7 @@ class ModelRunner:
                                              self.rc.num_extension_blocks,
                                              self.extension_layout,
                                              self.rc.engine.block_size, self.rc.max_pages,
-                                             self.kernel_backend, self.batch_invariant)
+                                             self.kernels, self.batch_invariant)
         mesh = () if self.mesh is None else tuple(d.id for d in self.mesh.devices.flat)
         full_key = (key, model_key, geometry, mesh)
         # One compilation at a time, process-wide: building executables on several threads at
@@ -352,7 +365,7 @@ class ModelRunner:
         batch-invariant when ``batch_invariant`` is set (the Pallas kernel always is: its query
         tile is fixed per model, so its dots' shapes never depend on the batch)."""
         kwargs = {} if max_q_len is None else {"max_q_len": max_q_len}
-        if target and self.batch_invariant and self.kernel_backend == "reference":
+        if target and self.batch_invariant and self.kernels.attention == "reference":
             kwargs["batch_invariant"] = True
         return functools.partial(self._attn, **kwargs) if kwargs else self._attn
 
@@ -619,7 +632,7 @@ class ModelRunner:
     def _migration(self, key: tuple, model: LoadedModel, spec: KVCache):
         """One chunk of a migration plan (``migrate_bucket`` pairs) over a pool of ``spec``."""
         def build():
-            fn = kernel_backend.migration_fn(self.kernel_backend)
+            fn = kernel_backend.migration_fn(self.kernels.migration)
             pairs = self._sds((self.migrate_bucket, 2), jnp.int32)
             return compile_lowered(fn.lower(spec.k, spec.v, pairs))
 

@@ -20,8 +20,9 @@ Pool layout (as in ``jspec.models.transformer.KVCache``): [layers, num_blocks, b
 head_dim], or a tuple of such segments numbering their blocks on (``jspec.kernels.segments``):
 elastic memory's contraction moves blocks from the extension segment into the base one, after
 which the extension is dropped. The kernel views one block of one layer as a flat row and copies
-it in chunks of a power-of-two length (GPU blocks must be), one grid step per pair, reading from
-the segment that holds the source and writing to the one that holds the destination.
+it in chunks of a power-of-two length (GPU blocks must be), one grid step per (pair, layer),
+reading from the segment that holds the source and writing to the one that holds the
+destination.
 """
 
 from __future__ import annotations
@@ -89,30 +90,33 @@ def migrate_blocks_reference(k_pool: seg.Pool, v_pool: seg.Pool, pairs: jax.Arra
 
 
 def _chunk(row: int, limit: int = 4096) -> int:
-    """Largest power of two <= limit dividing ``row``."""
+    """Largest power of two <= limit dividing ``row`` (Triton arrays must be powers of two; 4096
+    elements are 32 per thread of a 4-warp program, so a chunk stays in registers)."""
     c = 1
     while row % (c * 2) == 0 and c * 2 <= limit:
         c *= 2
     return c
 
 
-def _migrate_kernel(pairs_ref, *refs, num_layers: int, row: int, chunk: int,
-                    num_segments: int):
-    # refs: K and V segments in, then the same out (aliased: the same buffers)
+def _migrate_kernel(pairs_ref, *refs, row: int, chunk: int, num_segments: int):
+    """One (pair, layer): copy that layer's K and V rows of the pair's source block onto its
+    destination block. ``refs``: the K and V segments in, then the same out (aliased: the same
+    buffers), each [layers, blocks, row]."""
     k_out = refs[2 * num_segments:3 * num_segments]
     v_out = refs[3 * num_segments:]
-    i = pl.program_id(0)
-    src = pairs_ref[i, 0]
-    dst = pairs_ref[i, 1]
+    pair = pl.program_id(0)
+    layer = pl.program_id(1)
+    src = pairs_ref[pair, 0]
+    dst = pairs_ref[pair, 1]
     n0 = k_out[0].shape[1]
 
-    def read(segs, layer, block, off):
+    def read(segs, block, off):
         if num_segments == 1:
             return segs[0][layer, block, pl.ds(off, chunk)]
         return jax.lax.cond(block < n0, lambda: segs[0][layer, block, pl.ds(off, chunk)],
                             lambda: segs[1][layer, block - n0, pl.ds(off, chunk)])
 
-    def write(segs, layer, block, off, value):
+    def write(segs, block, off, value):
         if num_segments == 1:
             segs[0][layer, block, pl.ds(off, chunk)] = value
             return
@@ -126,38 +130,44 @@ def _migrate_kernel(pairs_ref, *refs, num_layers: int, row: int, chunk: int,
             segs[1][layer, block - n0, pl.ds(off, chunk)] = value
 
     def copy(step, carry):
-        layer = step // (row // chunk)
-        off = (step % (row // chunk)) * chunk
-        write(k_out, layer, dst, off, read(k_out, layer, src, off))
-        write(v_out, layer, dst, off, read(v_out, layer, src, off))
+        # chunk-aligned offsets: Triton may then load and store in wide vectors
+        off = pl.multiple_of(step * chunk, chunk)
+        write(k_out, dst, off, read(k_out, src, off))
+        write(v_out, dst, off, read(v_out, src, off))
         return carry
 
-    jax.lax.fori_loop(0, num_layers * (row // chunk), copy, 0)
+    jax.lax.fori_loop(0, row // chunk, copy, 0)
 
 
 def migrate_blocks_kernel(k_pool: seg.Pool, v_pool: seg.Pool, pairs: jax.Array, *,
-                          interpret: bool = False) -> tuple[seg.Pool, seg.Pool]:
+                          interpret: bool = False, compiler_params=None
+                          ) -> tuple[seg.Pool, seg.Pool]:
     """The kernel, unjitted (``migrate_blocks`` is it jitted with the pools donated): copy every
     (src, dst) pair of ``pairs`` [n, 2] int32, all layers, K and V, in one launch, in place (the
-    outputs alias the pools). Validate the plan with ``validate_pairs`` first; it is trusted."""
+    outputs alias the pools). Validate the plan with ``validate_pairs`` first; it is trusted.
+
+    The grid is (pairs, layers): a program copies one layer of one block, so a plan of n pairs
+    keeps n x layers programs busy however few pairs it has, and a program's indices come
+    straight from its grid position: no ``%`` of a traced integer, which JAX 0.10's Triton
+    lowering fails on (an i1/i32 mismatch). ``compiler_params``: the GPU lowering's (Triton's
+    ``CompilerParams`` select Triton; see ``jspec.kernels.gpu_lowering``)."""
     k_segs, v_segs = seg.segments(k_pool), seg.segments(v_pool)
     nseg = len(k_segs)
     if nseg > 2:
         raise ValueError(f"migration handles a pool of one or two segments, not {nseg}")
     num_layers = k_segs[0].shape[0]
     row = int(np.prod(k_segs[0].shape[2:]))
-    chunk = _chunk(row)
     flat = [a.reshape(a.shape[0], a.shape[1], row) for a in (*k_segs, *v_segs)]
-    kernel = functools.partial(_migrate_kernel, num_layers=num_layers, row=row, chunk=chunk,
-                               num_segments=nseg)
+    kernel = functools.partial(_migrate_kernel, row=row, chunk=_chunk(row), num_segments=nseg)
     out = pl.pallas_call(
         kernel,
-        grid=(pairs.shape[0],),
+        grid=(pairs.shape[0], num_layers),
         in_specs=[pl.no_block_spec] * (1 + 2 * nseg),
         out_specs=[pl.no_block_spec] * (2 * nseg),
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat],
         input_output_aliases={1 + j: j for j in range(2 * nseg)},
         interpret=interpret,
+        compiler_params=compiler_params,
         name="kv_migration",
     )(pairs.astype(jnp.int32), *flat)
     out = [o.reshape(a.shape) for o, a in zip(out, (*k_segs, *v_segs))]
@@ -166,5 +176,5 @@ def migrate_blocks_kernel(k_pool: seg.Pool, v_pool: seg.Pool, pairs: jax.Array, 
     return tuple(out[:nseg]), tuple(out[nseg:])
 
 
-migrate_blocks = jax.jit(migrate_blocks_kernel, static_argnames=("interpret",),
+migrate_blocks = jax.jit(migrate_blocks_kernel, static_argnames=("interpret", "compiler_params"),
                          donate_argnums=(0, 1))

@@ -36,9 +36,11 @@ def test_small_run_checks_every_kernel_on_the_requested_grid(capsys, tmp_path):
     assert kernels.run(_parse(["--small", "--interpret", "--json", str(out_json)])) == 0
     out = capsys.readouterr().out
     data = json.loads(out_json.read_text())
-    expected_impls = {"reference", "interpret"} | ({"pallas"} if kb.resolve() == "pallas"
-                                                   else set())
-    assert data["backend"] == kb.resolve() and f"kernel backend auto -> {data['backend']}" in out
+    chosen = kb.select()
+    impls = {kernel: {"reference", "interpret"} | ({"pallas"} if backend == "pallas" else set())
+             for kernel, backend in (("attention", chosen.attention),
+                                     ("migration", chosen.migration))}
+    assert data["backend"] == str(chosen) and f"kernel backend auto -> {data['backend']}" in out
     assert data["dtype"] == "bfloat16" and data["copy_bandwidth_gbps"] > 0
 
     rows = data["attention"]
@@ -46,8 +48,8 @@ def test_small_run_checks_every_kernel_on_the_requested_grid(capsys, tmp_path):
     for r in rows:
         b, c = r["batch"], r["context"]
         assert r["kv_bytes"] == b * c * KV_HEADS * HEAD_DIM * 2 * BF16  # K and V, bf16
-        assert set(r) - {"batch", "q_len", "context", "kv_bytes"} == expected_impls
-        for name in expected_impls:
+        assert set(r) - {"batch", "q_len", "context", "kv_bytes"} == impls["attention"]
+        for name in impls["attention"]:
             _timing_is_sane(r[name], r["kv_bytes"])
             # outputs are bf16 of magnitude < 2: a few units in the last place at most
             assert 0 <= r[name]["max_abs_err"] < 2e-2, (name, r)
@@ -55,8 +57,8 @@ def test_small_run_checks_every_kernel_on_the_requested_grid(capsys, tmp_path):
     (mig,) = data["migration"]
     assert mig["blocks"] == 4
     assert mig["bytes_moved"] == 2 * 2 * LAYERS * 4 * BLOCK * KV_HEADS * HEAD_DIM * BF16
-    assert set(mig) - {"blocks", "bytes_moved"} == expected_impls
-    for name in expected_impls:
+    assert set(mig) - {"blocks", "bytes_moved"} == impls["migration"]
+    for name in impls["migration"]:
         _timing_is_sane(mig[name], mig["bytes_moved"])
         assert mig[name]["exact"] is True, name
 

@@ -348,6 +348,24 @@ def test_migration_between_segments_matches_the_one_array_pool():
         assert np.array_equal(np.concatenate([np.asarray(a) for a in sv], axis=1), wv)
 
 
+@pytest.mark.parametrize("shape", [(2, 7, 16, 4, 128),  # a row of two 4096-element chunks
+                                   (2, 7, 16, 3, 80)])  # 3840 elements: 15 chunks of 256
+@pytest.mark.parametrize("split", [None, 4])
+def test_migration_copies_rows_of_several_chunks_whole(shape, split):
+    """Rows longer than one chunk, or of no power-of-two length, over one or two segments."""
+    k = jnp.asarray(np.random.default_rng(5).normal(size=shape), jnp.float32)
+    v = -k
+    pairs = jnp.asarray(pad_pairs(validate_pairs([(6, 1), (2, 5)], shape[1]), 4))
+    wk, wv = migrate_blocks_reference(k, v, pairs)
+    if split is None:
+        got = migrate_blocks(k + 0, v + 0, pairs, interpret=True)
+    else:
+        got = [np.concatenate([np.asarray(a) for a in pool], axis=1) for pool in
+               migrate_blocks(_split(k, split), _split(v, split), pairs, interpret=True)]
+    assert np.array_equal(np.asarray(got[0]), np.asarray(wk))
+    assert np.array_equal(np.asarray(got[1]), np.asarray(wv))
+
+
 @pytest.mark.parametrize("plan, message", [
     ([(3, 5), (5, 7)], "both a source and a destination"),
     ([(3, 5), (4, 5)], "destination block 5 appears more than once"),
@@ -374,25 +392,26 @@ def test_compaction_plan_moves_blocks_above_the_new_end_into_free_low_blocks():
 def test_backend_resolution_on_cpu(monkeypatch):
     monkeypatch.delenv("JSPEC_KERNEL_BACKEND", raising=False)
     assert backend.platform() == "cpu"
-    assert backend.resolve("auto") == "reference"
-    assert backend.resolve("interpret") == "interpret"
-    assert backend.resolve("reference") == "reference"
+    both = lambda name: backend.Kernels(name, name)  # noqa: E731
+    assert backend.select("auto") == both("reference")
+    assert backend.select("interpret") == both("interpret")
+    assert backend.select("reference") == both("reference")
     with pytest.raises(ValueError, match="needs a GPU.*'interpret'"):
-        backend.resolve("pallas")
+        backend.select("pallas")
     with pytest.raises(ValueError, match="unknown; choose from"):
-        backend.resolve("triton")
+        backend.select("triton")
     monkeypatch.setenv("JSPEC_KERNEL_BACKEND", "interpret")
-    assert backend.resolve("auto") == "interpret"
-    assert backend.resolve("reference") == "reference"  # an explicit config wins
+    assert backend.select("auto") == both("interpret")
+    assert backend.select("reference") == both("reference")  # an explicit config wins
     monkeypatch.setenv("JSPEC_KERNEL_BACKEND", "bogus")
     with pytest.raises(ValueError, match="'bogus' is unknown"):
-        backend.resolve("auto")
+        backend.select("auto")
 
 
 def test_backend_functions():
     assert backend.attention_fn("reference") is ragged_paged_attention_tiled
     assert backend.attention_fn("interpret").keywords == {"interpret": True}
-    with pytest.raises(ValueError, match="resolve"):
+    with pytest.raises(ValueError, match="select"):
         backend.attention_fn("auto")
     k = jnp.arange(np.prod(MIG_SHAPE), dtype=jnp.float32).reshape(MIG_SHAPE)
     pairs = jnp.asarray(pad_pairs(validate_pairs([(7, 2)], MIG_SHAPE[1]), 2))

@@ -12,7 +12,8 @@ Migration: one launch moving N blocks of every layer (K and V) against a plain d
 the same bytes (``pool[:, dst] = pool[:, src]`` via XLA gather/scatter is the reference; the
 roofline is the copy bandwidth above; the goal is >= 70%).
 
-Implementations timed: ``reference`` always; ``pallas`` where the backend resolves to it (a GPU);
+Implementations timed: ``reference`` always; ``pallas`` for each kernel that the backend
+choice (``auto``, judged at this benchmark's shapes) runs with Pallas (a GPU);
 ``interpret`` only with ``--interpret`` (the interpreter runs the kernel as ordinary XLA ops, so
 its times say nothing about the kernel on a GPU: it is there to check the harness on CPU).
 
@@ -157,6 +158,7 @@ def measure(args: argparse.Namespace) -> dict:
     from tqdm.auto import tqdm
 
     from jspec.kernels import backend as kb
+    from jspec.kernels.gpu_lowering import KernelShape
     from jspec.kernels.ragged_paged_attention import ragged_paged_attention_reference
 
     if args.small:
@@ -168,9 +170,10 @@ def measure(args: argparse.Namespace) -> dict:
     if any(q > c for q in args.query_lens for c in args.contexts):
         raise ValueError("every --query-lens value must be <= every --contexts value")
     dtype = jnp.dtype(args.dtype)
-    resolved = kb.resolve("auto")
+    resolved = kb.select("auto", [KernelShape(**ATTN_SHAPE, block_size=args.block_size,
+                                              num_layers=args.layers, dtype=args.dtype)])
     impls = {"reference": kb.attention_fn("reference")}
-    if resolved == "pallas":
+    if resolved.attention == "pallas":
         impls["pallas"] = kb.attention_fn("pallas")
     if args.interpret:
         impls["interpret"] = kb.attention_fn("interpret")
@@ -186,7 +189,7 @@ def measure(args: argparse.Namespace) -> dict:
           "array)")
 
     points = attention_points(args)
-    results = {"platform": kb.platform(), "backend": resolved, "dtype": args.dtype,
+    results = {"platform": kb.platform(), "backend": str(resolved), "dtype": args.dtype,
                "copy_bandwidth_gbps": peak / 1e9, "attention": [], "migration": []}
     scale = ATTN_SHAPE["head_dim"] ** -0.5
     oracle = jax.jit(lambda qa, k, v, md: ragged_paged_attention_reference(qa, k, v, 0, md,
@@ -215,7 +218,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     # migration
     mig_impls = {"reference": kb.migration_fn("reference")}
-    if resolved == "pallas":
+    if resolved.migration == "pallas":
         mig_impls["pallas"] = kb.migration_fn("pallas")
     if args.interpret:
         mig_impls["interpret"] = kb.migration_fn("interpret")
