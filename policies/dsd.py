@@ -115,6 +115,29 @@ class DSDPolicy(Policy):
             per_forward = self.step_profile.draft_step(batch, ctx)
         return target + gammas * per_forward
 
+    @property
+    def can_predict(self) -> bool:
+        """Whether step times can be predicted: a profile, or the run's own fitted model."""
+        return self.profile is not None or (self.measured and self._time.ready)
+
+    def plan_goodput(self, view: BatchView, gammas: np.ndarray) -> float:
+        """Predicted goodput of a per-sequence plan: Σ_i E(γ_i) over the step's time, its target
+        forward as wide as the plan's rows (Σ γ_i + 1) and as many draft forwards as its longest
+        draft. The profile, measured at uniform γ, is read at the plan's mean γ."""
+        gammas = np.asarray(gammas, np.int64)
+        tokens = float(expected_tokens(self.planning_alpha, gammas).sum())
+        forwards = int(gammas.max(initial=0))
+        target = self._time.target(int((gammas + 1).sum())) if self.measured else None
+        if target is None:
+            mean = np.array([float(gammas.mean()) if gammas.size else 0.0])
+            return tokens / float(self.step_times(view, mean)[0])
+        per_forward = self._time.draft_forward()
+        if per_forward is None:
+            ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
+            per_forward = self.step_profile.draft_step(max(view.batch_size, view.num_decode, 1),
+                                                       ctx)
+        return tokens / (float(target) + forwards * per_forward)
+
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode
         if not view.draft_resident or n == 0 or self.max_gamma == 0:

@@ -42,7 +42,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jspec.policies.base import BatchView, DraftPlan, Policy, StepOutcome, option_int
+from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, option_bool,
+                                 option_int)
+from jspec.policies.goodput_gate import GoodputGate
 
 
 def weighted_variance(kls: Sequence[float], delta: float) -> float:
@@ -117,7 +119,9 @@ class DSDEPolicy(Policy):
     and uses SL_max = max_gamma), ``warmup_gamma`` (γ during warm-up, default max_gamma),
     ``sl_min`` (default min(2, max_gamma), the paper's 2), ``delta`` (weight decay δ, 0.85),
     ``short_window``/``long_window`` (10/30 KLs), ``eps`` (ε of eq. 1, 1e-6), ``batch_cap``
-    (apply SL_cap, default True; False is the paper's "No Cap" ablation).
+    (apply SL_cap, default True; False is the paper's "No Cap" ablation), ``gate`` (default
+    True: plain decoding in steps where the plan's predicted goodput is below plain decoding's,
+    policies/goodput_gate.py; False: the paper's DSDE, which always speculates at least SL_min).
     """
 
     name = "dsde"
@@ -125,7 +129,8 @@ class DSDEPolicy(Policy):
 
     def __init__(self, max_gamma: int = 4, warmup_steps: int = 5, warmup_gamma: int | None = None,
                  sl_min: int | None = None, delta: float = 0.85, short_window: int = 10,
-                 long_window: int = 30, eps: float = 1e-6, batch_cap: bool = True):
+                 long_window: int = 30, eps: float = 1e-6, batch_cap: bool = True,
+                 gate: bool = True):
         super().__init__(max_gamma)
         self.warmup_steps = option_int("dsde", "warmup_steps", warmup_steps, 0)
         self.warmup_gamma = option_int(
@@ -144,6 +149,8 @@ class DSDEPolicy(Policy):
         if not isinstance(batch_cap, bool):
             raise ValueError(f"batch_cap must be a bool, got {batch_cap!r}")
         self.batch_cap = batch_cap
+        self.gate = GoodputGate(max_gamma) if option_bool("dsde", "gate", gate) else None
+        self.needs_profile = self.gate is not None  # the gate's time model starts from one
 
         # calibration (§III-A1): None until warm-up is over
         self.sl_max: float | None = float(max_gamma) if self.warmup_steps == 0 else None
@@ -186,11 +193,19 @@ class DSDEPolicy(Policy):
         # §III-C: the constant minimising the MSE to all predictions is their mean
         cap = float(sls.mean()) if self.batch_cap else math.inf
         gammas = np.floor(np.minimum(sls, cap) + 0.5).astype(np.int32)
-        return DraftPlan(gammas=np.clip(gammas, 0, self.max_gamma))
+        plan = DraftPlan(gammas=np.clip(gammas, 0, self.max_gamma))
+        return plan if self.gate is None else self.gate.apply(view, plan)
+
+    def set_profile(self, profile: Any) -> None:
+        super().set_profile(profile)
+        if self.gate is not None:
+            self.gate.set_profile(profile)
 
     # -- learning -------------------------------------------------------------------------------
 
     def observe(self, outcome: StepOutcome) -> None:
+        if self.gate is not None:
+            self.gate.observe(outcome)
         verified_any = False
         for i, rid in enumerate(outcome.request_ids):
             # verified positions only: the first num_verified, minus any NaN (nothing verified)
@@ -227,6 +242,7 @@ class DSDEPolicy(Policy):
             "warmup": dict(self._warm),
             "sequences": {rid: {"kls": list(s.kls), "last_mean": s.last_mean}
                           for rid, s in self._seqs.items()},
+            "gate": None if self.gate is None else self.gate.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -241,3 +257,6 @@ class DSDEPolicy(Policy):
             rid: _Sequence(self.long_window, (float(k) for k in s["kls"]),
                            None if s["last_mean"] is None else float(s["last_mean"]))
             for rid, s in state["sequences"].items()}
+        # a state saved without a gate's (gate=False, or older) leaves this gate's estimate fresh
+        if self.gate is not None and state.get("gate"):
+            self.gate.load_state_dict(state["gate"])

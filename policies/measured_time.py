@@ -44,6 +44,11 @@ class MeasuredTime:
         a, b = line
         return a + b * np.asarray(width, np.float64)
 
+    @property
+    def ready(self) -> bool:
+        """Whether the run's own model prices every γ: the target line fitted, a draft timed."""
+        return self._target.line() is not None and self.draft_forward() is not None
+
     def draft_forward(self) -> float | None:
         """One draft forward's seconds; None before a draft has run."""
         seconds, forwards = self._draft

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jspec.policies.base import BatchView, DraftStats, StepOutcome
+from jspec.policies.profile import StepProfile
 
 
 def make_view(num_decode: int = 1, batch_size: int | None = None, max_gamma: int = 4, *,
@@ -86,3 +87,13 @@ class SyntheticEnv:
         step_time = float(emitted.sum()) / goodput
         return make_outcome(view, [gamma] * n, emitted - 1, step_time=step_time,
                             num_emitted=emitted)
+
+
+def linear_profile() -> StepProfile:
+    """A hand-made profile with linear costs: target_step(B, q, L) = 10 + B·q and
+    draft_step(B, L) = 1 for any B, q, L, so at B = n = 2 a plan of γ for both takes
+    T(γ) = 12 + 3γ."""
+    batch, query, ctx = [1, 4], [1, 5], [100, 1000]
+    target = [[[10.0 + b * q] * len(ctx) for q in query] for b in batch]
+    return StepProfile("t", "d", "hand", "none", batch, query, ctx, [1], target,
+                       np.ones((len(batch), len(ctx))), np.ones((1, len(batch))))

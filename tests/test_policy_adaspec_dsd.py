@@ -20,14 +20,7 @@ from jspec.policies.adaspec import AdaSpecPolicy, cumulative_confidence
 from jspec.policies.base import expected_tokens
 from jspec.policies.dsd import DSDPolicy
 from jspec.policies.profile import StepProfile, synthetic_profile
-from policy_helpers import make_outcome, make_stats, make_view
-
-
-def linear_profile() -> StepProfile:
-    batch, query, ctx = [1, 4], [1, 5], [100, 1000]
-    target = [[[10.0 + b * q] * len(ctx) for q in query] for b in batch]
-    return StepProfile("t", "d", "hand", "none", batch, query, ctx, [1], target,
-                       np.ones((len(batch), len(ctx))), np.ones((1, len(batch))))
+from policy_helpers import linear_profile, make_outcome, make_stats, make_view
 
 
 def adaspec(**kw) -> AdaSpecPolicy:

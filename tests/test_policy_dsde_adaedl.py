@@ -11,7 +11,7 @@ import pytest
 from jspec.policies.adaedl import AdaEDLPolicy, entropy_threshold, stop_rule
 from jspec.policies.dsde import (DSDEPolicy, calibrate_sl_max, predict_sl, scale_factor,
                            weighted_variance, wvir)
-from policy_helpers import make_outcome, make_view
+from policy_helpers import linear_profile, make_outcome, make_view
 
 D = 0.85
 
@@ -257,13 +257,40 @@ def test_dsde_state_dict_json_round_trip(steps):
 @pytest.mark.parametrize("opts", [
     {"warmup_steps": -1}, {"warmup_steps": 1.5}, {"warmup_gamma": 9}, {"sl_min": 9},
     {"sl_min": -1}, {"delta": 0.0}, {"delta": 1.5}, {"short_window": 0},
-    {"short_window": 10, "long_window": 5}, {"eps": 0.0}, {"batch_cap": "yes"},
+    {"short_window": 10, "long_window": 5}, {"eps": 0.0}, {"batch_cap": "yes"}, {"gate": "no"},
     {"max_gamma": -1}, {"max_gamma": 1, "sl_min": 2},
 ])
 def test_dsde_bad_options(opts):
     opts = {"max_gamma": 8, **opts}
     with pytest.raises(ValueError):
         DSDEPolicy(**opts)
+
+
+def test_dsde_gate_shuts_where_speculation_loses_and_the_paper_rule_does_not():
+    """With every draft token rejected, a γ = 2 step emits what a plain one does at 18/12 of its
+    time: the gate plans plain decoding, the paper's DSDE (gate=False) still drafts SL_min."""
+    view = make_view(2, max_gamma=4)
+    gated = DSDEPolicy(max_gamma=4, warmup_steps=0)
+    paper = DSDEPolicy(max_gamma=4, warmup_steps=0, gate=False)
+    assert gated.needs_profile and not paper.needs_profile
+    gated.set_profile(linear_profile())
+    # no acceptance seen yet: the gate's bound is optimistic and the plan passes
+    assert gated.plan(view).gammas.tolist() == paper.plan(view).gammas.tolist() == [4, 4]
+    for _ in range(40):
+        for pol in (gated, paper):
+            g = pol.plan(view).gammas
+            if g.any():
+                pol.observe(make_outcome(view, g, [0, 0], kl=np.full((2, int(g.max())), 3.0)))
+    assert gated.plan(view).gammas.tolist() == [0, 0]
+    assert paper.plan(view).gammas.tolist() == [2, 2]  # SL_min: SF·WVIR > 1
+
+
+def test_dsde_gate_stays_open_without_a_profile_or_a_fitted_model():
+    view = make_view(2, max_gamma=4)
+    pol = DSDEPolicy(max_gamma=4, warmup_steps=0)
+    for _ in range(20):
+        pol.observe(make_outcome(view, [4, 4], [0, 0], kl=np.full((2, 4), 3.0)))
+    assert pol.plan(view).gammas.tolist() == [2, 2]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -165,11 +165,15 @@ def test_a_stale_profile_is_what_the_policies_are_given():
 _SEEDS = range(100, 104)
 
 
-# dsd and adaspec do not model the draft's catch-up on arrivals' prompts, which the long prompts
-# of prefill-bursts make costly: 0.92-0.93 there (docs/benchmarks.md)
+# Where a policy's own rule falls short of 0.95 (docs/benchmarks.md, "Adaptation that never
+# collapses"): dsd and adaspec plan each step's goodput, which in prefill-bursts, where prompts
+# admitted per second bound the throughput, favours longer steps than the best fixed arm (0.92-0.93);
+# DSDE's KL rule chooses the lengths (0.93-0.94 at low load, after a load step and in prefill-bursts).
+_SHORT = {"dsd": {"prefill-bursts"}, "adaspec": {"prefill-bursts"},
+          "dsde": {"prefill-bursts", "low-load", "load-step"}}
 _CASES = ([("nightjar", name) for name in sorted(ENVIRONMENTS)]
-          + [(policy, name) for policy in ("dsd", "adaspec") for name in sorted(ENVIRONMENTS)
-             if name != "prefill-bursts"])
+          + [(policy, name) for policy in ("dsd", "adaspec", "dsde") for name in sorted(ENVIRONMENTS)
+             if name not in _SHORT[policy]])
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,6 +201,15 @@ def test_a_stale_profile_yields_to_the_runs_measurements(policy):
     trusting = throughputs(env, lambda: make_policy(policy, 4, measured=False), _SEEDS,
                            100.0) / _best_fixed(name)
     assert trusting.max() < 0.9, trusting
+
+
+def test_dsde_without_its_gate_speculates_where_speculation_loses():
+    """The paper's DSDE drafts at least SL_min = 2 whatever a token costs; the goodput gate
+    (policies/goodput_gate.py) is what holds it to 0.95 in saturation-no-pay."""
+    ratios = throughputs(ENVIRONMENTS["saturation-no-pay"],
+                         lambda: make_policy("dsde", 4, gate=False), _SEEDS,
+                         100.0) / _best_fixed("saturation-no-pay")
+    assert ratios.max() < 0.8, ratios  # 0.75-0.77
 
 
 def test_algorithm_1_as_published_collapses_where_nightjar_does_not():
