@@ -14,6 +14,8 @@ stands in.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from jspec.policies.base import StepOutcome
@@ -25,8 +27,9 @@ _DRAFT_DECAY = 0.99  # weight of older draft-loop timings, per step that drafted
 class MeasuredTime:
     """The run's target line a + b·w and its draft forward's seconds (module docstring)."""
 
-    def __init__(self):
-        self._target = PrefillCost()
+    def __init__(self, target: PrefillCost | None = None):
+        # ``target``: a fit the caller already keeps (Nightjar's reward uses the same line)
+        self._target = PrefillCost() if target is None else target
         self._draft = [0.0, 0.0]  # decayed Σ draft-loop seconds, Σ draft forwards
 
     def observe(self, outcome: StepOutcome) -> None:
@@ -53,3 +56,13 @@ class MeasuredTime:
         """One draft forward's seconds; None before a draft has run."""
         seconds, forwards = self._draft
         return seconds / forwards if forwards > 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"target": self._target.state_dict(), "draft": list(self._draft)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        draft = [float(x) for x in state["draft"]]
+        if len(draft) != 2:
+            raise ValueError(f"measured time has {len(draft)} draft sums, expected 2")
+        self._target.load_state_dict(state["target"])
+        self._draft = draft

@@ -22,8 +22,8 @@ differences of 1/g̃ of a fraction of a millisecond, so once γ = 0 is played th
 (while the lag, and with it the term, grows every step): ``catch_up`` below.
 
 Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0,
-prior=false, explore=uniform, explore_steps=∞, whiten=false, catch_up=paper`` is the algorithm as
-published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
+prior=false, explore=uniform, explore_steps=∞, whiten=false, catch_up=paper, model_weight=0`` is
+the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
 saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collapses"):
 
 - ``reward`` (default ``decode_marginal``): the reward of a step is its *decode* goodput, emitted
@@ -108,6 +108,17 @@ saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collaps
   was sampled. ``prior=false`` restores explore-first and needs no profile. The prior ignores the
   prefill tokens a step carries (the profile cannot price them per γ); it errs towards arms
   not yet sampled, which is the safe direction for a bandit.
+- ``model_weight`` (default 4): once the run's own step-time model is fitted (policies/
+  measured_time.py: the target's time as a + b·w over the forward's width, a draft forward's
+  measured seconds), exploitation scores an arm by its g̃ pulled towards that model's goodput
+  n·E(γ)/T(γ), the model worth ``model_weight`` samples and g̃ its weight in effective samples
+  (its Kalman weight over the autocorrelation's inflation). A phase of a few hundred steps (a
+  load step to B = 32 and back) leaves each arm a handful of samples taken in a few spells of
+  autocorrelated noise, and g̃ alone then ranks arms 5-10% apart by chance; the model, fitted
+  on every step whatever its arm, ranks them by structure, and after a few dozen samples of an
+  arm its measurements rule. It is the run's model, never the profile's: pulled towards a
+  profile measured in other conditions, the arms were ranked as the profile says (0.87-0.94× the
+  best fixed arm in saturation-stale-profile). Exploration and elimination read g̃ alone.
 
 Choices the paper leaves open:
 
@@ -162,6 +173,7 @@ import numpy as np
 from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
                            expected_tokens, judged_acceptance, option_bool, option_int,
                            option_number)
+from jspec.policies.measured_time import MeasuredTime
 from jspec.policies.prefill_cost import PrefillCost
 from jspec.policies.profile import StepProfile, load_profile
 
@@ -287,7 +299,8 @@ class NightjarPolicy(Policy):
                  decode_only_reward: bool | None = None,
                  confidence_z: float = 2.0, drift: float = 0.1, prior: bool = True,
                  alpha0: float = 0.6, whiten: bool = True, explore: str = "thompson",
-                 catch_up: str = "amortized", explore_steps: int = 4):
+                 catch_up: str = "amortized", explore_steps: int = 4,
+                 model_weight: float = 4.0):
         super().__init__(max_gamma)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{self.name} option seed must be an integer >= 0, got {seed!r}")
@@ -324,6 +337,7 @@ class NightjarPolicy(Policy):
                              f"{', '.join(CATCH_UPS)}, got {catch_up!r}")
         self.catch_up = catch_up
         self.explore_steps = option_int(self.name, "explore_steps", explore_steps, 1)
+        self.model_weight = float(option_number(self.name, "model_weight", model_weight))
         self.alpha0 = float(alpha0)
         self._accepted = 0.0  # decayed sums of judged_acceptance, for the prior's α
         self._judged = 0.0
@@ -333,6 +347,7 @@ class NightjarPolicy(Policy):
         self._catch_up_time = 0.0  # decayed sums for the online c_prefill estimate
         self._catch_up_tokens = 0.0
         self._prefill_cost = PrefillCost()  # the marginal cost of prefill tokens (reward)
+        self._time = MeasuredTime(self._prefill_cost)  # the run's step-time model (shrinkage)
         self._pending: dict[str, Any] | None = None  # the decision awaiting its outcome
         # decayed sums of the leading arms' consecutive log residuals, for their lag-1
         # autocorrelation (``_whitened``): Σ e_{t−1}·e_t, Σ e_{t−1}², pairs
@@ -413,6 +428,11 @@ class NightjarPolicy(Policy):
     def _scores(self, ctx: _Context, view: BatchView, prior: np.ndarray | None) -> np.ndarray:
         g = np.asarray(ctx.goodput, np.float64)
         sampled = np.asarray(ctx.samples) > 0
+        model = self.model_goodput(view) if self.model_weight > 0 else None
+        if model is not None:  # measured arms pulled towards the run's model (``model_weight``)
+            weight = np.asarray(ctx.weight, np.float64) / self.spread[1]
+            g = np.where(sampled, (self.model_weight * model + weight * g)
+                         / (self.model_weight + weight), g)
         if prior is not None:  # an arm without a sample is scored by its prior
             g = np.where(sampled, g, prior)
             known = g > 0
@@ -461,6 +481,17 @@ class NightjarPolicy(Policy):
                                         float(np.mean(view.context_lens)))
         return n * expected_tokens(self.alpha, gammas) / times
 
+    def model_goodput(self, view: BatchView) -> np.ndarray | None:
+        """n·E(γ)/T(γ) per γ from the run's own step-time model (``MeasuredTime``: the target's
+        line over the forward's width n·(γ + 1), plus γ draft forwards) and the judged
+        acceptance rate ``alpha``; None until that model is fitted."""
+        if not self._time.ready or view.num_decode == 0:
+            return None
+        n = view.num_decode
+        gammas = np.arange(self.max_gamma + 1)
+        times = self._time.target(n * (gammas + 1)) + gammas * self._time.draft_forward()
+        return n * expected_tokens(self.alpha, gammas) / np.maximum(times, 1e-9)
+
     def c_prefill(self, view: BatchView) -> float:
         """Seconds the draft would need to catch up before drafting this view (see module
         docstring: the profile's table if given, else the online estimate)."""
@@ -501,7 +532,7 @@ class NightjarPolicy(Policy):
         ctx = self._context(decision["context"])
         arm = decision["gamma"]
         ctx.counts[arm] += 1
-        self._prefill_cost.observe(outcome)
+        self._time.observe(outcome)  # the target line in it is the reward's prefill cost too
         reward = self._reward(outcome)
         ctx.lead_age += 1
         if reward is not None:
@@ -609,6 +640,7 @@ class NightjarPolicy(Policy):
             "catch_up": {"time": self._catch_up_time, "tokens": self._catch_up_tokens},
             "acceptance": {"accepted": self._accepted, "judged": self._judged},
             "prefill_cost": self._prefill_cost.state_dict(),
+            "measured_time": self._time.state_dict(),
             "rng": self._rng.bit_generator.state,
             "pending": None if self._pending is None else dict(self._pending),
             "rho_sums": list(self._rho_sums),
@@ -653,6 +685,9 @@ class NightjarPolicy(Policy):
             prefill_cost = PrefillCost()  # saved before the marginal reward: nothing fitted yet
             if "prefill_cost" in state:
                 prefill_cost.load_state_dict(state["prefill_cost"])
+            measured = MeasuredTime(prefill_cost)  # saved before the model: no draft timed yet
+            if "measured_time" in state:
+                measured.load_state_dict(state["measured_time"])
             rho_sums = [float(x) for x in state.get("rho_sums", [0.0, 0.0, 0.0])]
             lead_sq = [float(x) for x in state.get("lead_sq", [0.0, 0.0])]
             if len(rho_sums) != 3 or len(lead_sq) != 2:
@@ -671,5 +706,6 @@ class NightjarPolicy(Policy):
         self._catch_up_time, self._catch_up_tokens = catch_up
         self._accepted, self._judged = acceptance
         self._prefill_cost = prefill_cost
+        self._time = measured
         self._pending = pending
         self._rho_sums, self._lead_sq = rho_sums, lead_sq

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jspec.policies.base import batch_bucket
+from jspec.policies.base import batch_bucket, expected_tokens
 from jspec.policies.nightjar import NightjarPolicy
 from jspec.policies.profile import StepProfile, synthetic_profile
 from policy_helpers import SyntheticEnv, make_outcome, make_view
@@ -285,7 +285,7 @@ def test_moves_to_the_new_best_arm_when_rewards_flip():
 
 # ----------------------------------------------------------------------------- deviations
 PAPER = {"eliminate": False, "drift": 0.0, "prior": False, "explore": "uniform", "whiten": False,
-         "catch_up": "paper", "explore_steps": 10 ** 9}  # Algorithm 1 as published
+         "catch_up": "paper", "explore_steps": 10 ** 9, "model_weight": 0}  # Algorithm 1 as published
 # saturation, as measured in the 16 requests/s records (decode-only goodput per γ, tok/s):
 # γ = 0 best by 27-44%, and a γ > 0 step 3-5x longer than a γ = 0 step (SyntheticEnv's step time)
 SATURATION = [1000, 734, 700, 688, 619, 560]
@@ -761,3 +761,40 @@ def test_an_arm_is_judged_against_the_leading_arms_last_steps():
             p.observe(make_outcome(view, [1] * 8, [1] * 8, step_time=16 / 750.0))
         assert p.rho > 0.5
         assert p.context_stats()[8]["goodput"][1] == pytest.approx(expected, rel=0.1), whiten
+
+
+def _fit_time_model(policy: NightjarPolicy, a: float = 0.02, b: float = 0.0005,
+                    draft: float = 0.001) -> None:
+    """Steps of every γ at B = 2, every drafted token accepted: target a + b·w over the width
+    w = 2(γ + 1), one draft forward ``draft`` seconds."""
+    view = make_view(2)
+    for _ in range(6):
+        for g in range(5):
+            w = 2 * (g + 1)
+            policy.observe(make_outcome(view, [g, g], [g, g], step_time=a + b * w + g * draft,
+                                        draft_time=g * draft, num_padded_tokens=w))
+
+
+def test_the_runs_model_is_its_measured_step_time_and_acceptance():
+    p = NightjarPolicy(4, prior=False)
+    view = make_view(2)
+    assert p.model_goodput(view) is None  # nothing timed yet
+    _fit_time_model(p)
+    gammas = np.arange(5)
+    times = 0.02 + 0.0005 * 2 * (gammas + 1) + 0.001 * gammas
+    expected = 2 * expected_tokens(p.alpha, gammas) / times
+    np.testing.assert_allclose(p.model_goodput(view), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("weight, best", [(0.0, 1), (8.0, 4)])
+def test_exploitation_pulls_few_samples_towards_the_runs_model(weight, best):
+    """Ten samples each put γ = 1 ahead by a few percent; the run's model (a large fixed cost,
+    every token accepted) says γ = 4 yields twice as much. Worth 8 samples, the model moves
+    exploitation to γ = 4; with ``model_weight=0`` the samples alone decide."""
+    p = NightjarPolicy(4, prior=False, model_weight=weight)
+    _fit_time_model(p)
+    view = make_view(2)
+    model = p.model_goodput(view)
+    assert model[4] > 1.8 * model[1]
+    _set_context(p, 2, [100.0, 200.0, 190.0, 185.0, 180.0], prev_gamma=1)
+    assert _gamma(p, view) == best
