@@ -362,10 +362,10 @@ class ModelRunner:
         ``max_q_len`` new tokens when that is known: a decode-only verification then attends in
         one query tile per sequence instead of the ragged bound's 2-2.5 times as many, each of
         which gathers its sequence's whole context (``_tile_plan``). The target's is
-        batch-invariant when ``batch_invariant`` is set (the Pallas kernel always is: its query
-        tile is fixed per model, so its dots' shapes never depend on the batch)."""
+        batch-invariant when ``batch_invariant`` is set (the Pallas kernel then keeps one
+        query-tile shape per model and cuts the context at fixed places)."""
         kwargs = {} if max_q_len is None else {"max_q_len": max_q_len}
-        if target and self.batch_invariant and self.kernels.attention == "reference":
+        if target and self.batch_invariant:
             kwargs["batch_invariant"] = True
         return functools.partial(self._attn, **kwargs) if kwargs else self._attn
 

@@ -4,7 +4,9 @@ Backends
     ``pallas``     the Pallas kernels compiled for the GPU through Triton
                    (``jspec.kernels.gpu_lowering``: JAX 0.10 also offers Mosaic GPU, which wants
                    kernels written against its own warpgroup/TMA model, Hopper and newer only;
-                   Triton takes the portable ``pallas_call`` our kernels are written in).
+                   Triton takes the portable ``pallas_call`` our kernels are written in), with
+                   the settings `jspec bench kernels --tune` recorded for this GPU model, or
+                   the defaults (``gpu_lowering.settings``).
     ``interpret``  the same kernels through Pallas' interpreter: any platform, slow; this is how
                    the CPU tests check the kernels against the references.
     ``reference``  pure JAX: attention reads each sequence's pages once per query tile

@@ -11,12 +11,23 @@ Lowering (jaxpr -> Triton IR inside an XLA custom call) runs on any machine:
 refuse shapes a kernel cannot take (the Triton lowering wants every array's size a power of two)
 with the reason, and on a GPU also compiles and runs the kernel once at those shapes;
 ``tests/test_kernel_lowering.py`` lowers every configuration the engine compiles.
+
+Tuning: each kernel's warps and pipeline stages (and attention's pages per loop iteration and
+the grid size its context split aims at) have defaults here (``DEFAULTS``); `jspec bench
+kernels --tune` times a small grid of them on a GPU and records the fastest per GPU model name
+in a JSON file (``tuning_path``: ``$JSPEC_KERNEL_TUNING``, else
+``~/.cache/jspec/kernel_tuning.json``). ``settings`` reads the record for this process's GPU
+model where there is one and the defaults otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import logging
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,34 +37,147 @@ from jspec.kernels import kv_migration
 from jspec.kernels import ragged_paged_attention as rpa
 
 KERNELS = ("attention", "migration")
+log = logging.getLogger(__name__)
 # XLA's custom-call target for a Pallas Triton kernel (JAX 0.10; later jaxlibs compile the
 # kernel ahead and call "triton_kernel_call_ffi")
 TRITON_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
-# untuned: JAX's default warp count; two stages let a loop's next load (a K/V page, a chunk of
-# a migrated row) start while the current one is used
+# Defaults, what runs on a GPU model --tune has not recorded: JAX's default warp count; two
+# stages let a loop's next load (K/V pages, a chunk of a migrated row) start while the current
+# one is used. Attention also tunes the pages one loop iteration reads and the grid size its
+# context split aims at (ragged_paged_attention).
 NUM_WARPS = 4
 NUM_STAGES = 2
+DEFAULTS = {
+    "attention": {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
+                  "pages_per_iter": rpa.PAGES_PER_ITER, "programs": rpa.PROGRAMS},
+    "migration": {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+}
+TUNING_ENV = "JSPEC_KERNEL_TUNING"
+_POW2 = ("num_warps", "pages_per_iter")  # Triton's warps and our arrays' pages: powers of two
 
 
-def compiler_params(kernel: str):
-    """The Triton compiler parameters ``kernel`` ("attention" or "migration") runs with."""
-    from jax.experimental.pallas import triton as pltriton
-
+def _check_kernel(kernel: str) -> None:
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; the kernels are {', '.join(KERNELS)}")
-    return pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
-def attention():
-    """The attention kernel compiled for a GPU (the reference's signature)."""
+def tuning_path() -> Path:
+    """Where tuned settings are recorded and read: ``$JSPEC_KERNEL_TUNING``, else
+    ``~/.cache/jspec/kernel_tuning.json``."""
+    env = os.environ.get(TUNING_ENV, "").strip()
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "jspec" / "kernel_tuning.json"
+
+
+def device_name() -> str | None:
+    """The GPU model this process runs on (JAX's ``device_kind``, e.g. "NVIDIA H100 80GB
+    HBM3"), or None off a GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    return jax.devices()[0].device_kind
+
+
+def validate_settings(kernel: str, values: dict) -> dict:
+    """``values`` checked against ``kernel``'s tunable settings: every key known, every value
+    a positive integer (a power of two for warps and pages); the defaults fill the rest."""
+    _check_kernel(kernel)
+    unknown = sorted(set(values) - set(DEFAULTS[kernel]))
+    if unknown:
+        raise ValueError(f"{kernel} has no setting {', '.join(unknown)}; its settings are "
+                         f"{', '.join(DEFAULTS[kernel])}")
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{kernel} setting {key} must be a positive integer, not {value!r}")
+        if key in _POW2 and not _is_pow2(value):
+            raise ValueError(f"{kernel} setting {key} must be a power of two, not {value}")
+    return {**DEFAULTS[kernel], **values}
+
+
+def read_tuning(path: Path | None = None) -> dict:
+    """The whole tuning file, ``{gpu model: {kernel: {"settings": {...}, ...}}}``; empty when
+    there is none. A file that is not such JSON is a ValueError naming it."""
+    path = Path(path) if path is not None else tuning_path()
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"kernel tuning file {path} cannot be read: {e}") from e
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"kernel tuning file {path} is not a mapping of GPU model to kernels")
+    return data
+
+
+def recorded(kernel: str, device: str | None, path: Path | None = None) -> dict | None:
+    """The settings recorded for ``kernel`` on GPU model ``device`` (validated, defaults
+    filled in), or None when there are none."""
+    _check_kernel(kernel)
+    if device is None:
+        return None
+    entry = read_tuning(path).get(device, {}).get(kernel)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("settings"), dict):
+        raise ValueError(f"the {kernel} entry for {device!r} in {path or tuning_path()} has no "
+                         "settings mapping")
+    return validate_settings(kernel, entry["settings"])
+
+
+def record(device: str, kernel: str, values: dict, path: Path | None = None,
+           **details) -> Path:
+    """Record ``values`` as ``kernel``'s settings on GPU model ``device`` (with ``details``:
+    timings, versions), keeping every other entry of the file; returns the file."""
+    values = validate_settings(kernel, values)
+    path = Path(path) if path is not None else tuning_path()
+    data = read_tuning(path)
+    data.setdefault(device, {})[kernel] = {"settings": values, **details}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def settings(kernel: str) -> dict:
+    """``kernel``'s settings in this process: those recorded for this GPU model, else the
+    defaults. A tuning file that cannot be used is a warning, and the defaults run."""
+    _check_kernel(kernel)
+    try:
+        tuned = recorded(kernel, device_name())
+    except ValueError as e:
+        log.warning("ignoring the recorded %s kernel settings: %s", kernel, e)
+        tuned = None
+    return tuned if tuned is not None else dict(DEFAULTS[kernel])
+
+
+def compiler_params(kernel: str, values: dict | None = None):
+    """The Triton compiler parameters ``kernel`` ("attention" or "migration") runs with (from
+    ``values``, default ``settings(kernel)``)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    _check_kernel(kernel)
+    values = settings(kernel) if values is None else validate_settings(kernel, values)
+    return pltriton.CompilerParams(num_warps=values["num_warps"],
+                                   num_stages=values["num_stages"])
+
+
+def attention(values: dict | None = None):
+    """The attention kernel compiled for a GPU (the reference's signature), with ``values``
+    (default ``settings("attention")``)."""
+    values = settings("attention") if values is None else validate_settings("attention", values)
     return functools.partial(rpa.ragged_paged_attention,
-                             compiler_params=compiler_params("attention"))
+                             compiler_params=compiler_params("attention", values),
+                             pages_per_iter=values["pages_per_iter"],
+                             programs=values["programs"])
 
 
-def migration():
-    """``f(k_pool, v_pool, pairs) -> (k_pool, v_pool)``, compiled for a GPU, pools donated."""
+def migration(values: dict | None = None):
+    """``f(k_pool, v_pool, pairs) -> (k_pool, v_pool)``, compiled for a GPU, pools donated,
+    with ``values`` (default ``settings("migration")``)."""
     return jax.jit(functools.partial(kv_migration.migrate_blocks_kernel,
-                                     compiler_params=compiler_params("migration")),
+                                     compiler_params=compiler_params("migration", values)),
                    donate_argnums=(0, 1))
 
 

@@ -16,20 +16,24 @@ the longest live context rather than at the page-table width.
 
 Kernel (``ragged_paged_attention``): one launch for the whole ragged batch. Each sequence's new
 tokens are cut into *query tiles* of ``q_block`` tokens; a tile never spans two sequences, so a
-batch of T tokens over S sequences has at most ``ceil(T / q_block) + S`` tiles, and the grid is
-(that bound, kv_heads). A grid step takes one tile and one kv head; its rows are the tile's tokens
-times the query heads of that kv head (GQA: the K/V page is read once for the whole group), and
-it loops over the sequence's pages *inside* the kernel (a ``fori_loop`` from the first page a
-sliding window can see to the page holding the tile's last position), with an online softmax in
-float32. Tiles past the batch's last one find zero pages and write zeros nobody reads. Each grid
-step writes its own output tile, so no two steps ever write the same memory; the wrapper gathers
-the tiles back into token order. Prefill chunks, 1-token decode and γ+1-token verification are
-all just tiles, which is what lets one launch serve the mixed batches speculative decoding makes.
-Causality is by absolute position, exactly as in the reference.
+batch of T tokens over S sequences has at most ``ceil(T / q_block) + S`` tiles (``S`` when a bound
+``max_q_len`` makes the tile that long). A tile's rows are its tokens times the query heads of
+one kv head (GQA: each K/V page is read once for the whole group), rounded up to a power of two
+(``kernel_tile``). The grid is (tiles, kv_heads, context splits): a program takes one tile, one
+kv head and one run of the tile's pages, and loops over that run *inside* the kernel, reading
+``pages_per_iter`` pages per iteration (one masked gather of K and one of V) with an online
+softmax in float32. When the grid would be small (a lone decode over 2 kv heads is 2 programs
+for a GPU of 132 SMs) the context is split over more programs (flash-decoding,
+``context_splits``): each writes its run's unnormalised softmax state (acc, max, sum) and
+``_combine`` merges them exactly. Tiles past the batch's last one and splits past a context read
+nothing. No two programs write the same memory; the wrapper gathers the tiles back into token
+order. Prefill chunks, 1-token decode and γ+1-token verification are all just tiles, which is
+what lets one launch serve the mixed batches speculative decoding makes. Causality is by
+absolute position, exactly as in the reference.
 
-Why loop over pages inside the kernel rather than one grid step per page: on a GPU a grid step
-per (tile, page) would need a cross-step reduction of the softmax state; and Pallas interpret mode
-(the CPU test path) pays per grid step, so a page grid would make the tests slow.
+Why loop over pages inside the kernel rather than one grid step per page: a grid step per
+(tile, page) would need a reduction of the softmax state over every page; splits bound that to
+a few runs. And Pallas interpret mode (the CPU test path) pays per grid step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jspec.kernels import segments as seg
 from jspec.kernels.batch_invariance import min_q_block
@@ -262,14 +267,81 @@ def ragged_paged_attention_tiled(
 
 
 # ----------------------------------------------------------------------------- Pallas kernel
+# The kernel's shape parameters. PAGES_PER_ITER and PROGRAMS are tuned per GPU model:
+# ``gpu_lowering`` passes what `jspec bench kernels --tune` recorded for it, these otherwise.
+PAGES_PER_ITER = 8  # pages of K/V one loop iteration reads (JAX's GPU paged attention reads 8)
+PROGRAMS = 256  # programs the context split aims at: about two per SM of an H100 (132 SMs)
+INVARIANT_SPLITS = 8  # context slots of the batch-invariant mode (fixed per model)
+TILE_ROWS = 64  # query rows of a tile when no bound on new tokens is given (and always when
+# batch-invariant); a power of two, at least 16 (the smallest dot Triton compiles)
+MAX_TILE_ROWS = 128  # the largest tile a bound on new tokens may ask for
+MIN_DOT = 16  # Triton's smallest dot dimension
+MAX_SPLITS = 64  # the most programs one (tile, kv head) is split over
+# The most bytes of K (and of V) one iteration loads: Triton stages each load in shared memory,
+# once per pipeline stage, so K + V at 2 stages take 4x this (128 KiB: JAX's own GPU paged
+# attention at its defaults, 8 pages of 16 x 128 bf16). f32 or wide heads get fewer pages.
+KV_TILE_BYTES = 32 << 10
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def default_q_block(group: int, rows: int = 32) -> int:
-    """Tokens per query tile: enough that a tile has ``rows`` (query token, head) rows, since GPU
-    matrix units want at least 16 rows per dot."""
-    return max(1, rows // _next_pow2(group))
+def kernel_tile(group: int, max_q_len: int | None = None, q_block: int | None = None,
+                tile_rows: int = TILE_ROWS, batch_invariant: bool = False) -> tuple[int, int]:
+    """(tokens, rows) of the kernel's query tile for ``group`` query heads per kv head.
+
+    A tile's rows are its tokens times the group, token-major, rounded up to a power of two and
+    to at least 16 (the rows past the tile's tokens are computed and never read). With a bound
+    ``max_q_len`` on every sequence's new tokens (decode: 1, a γ+1 verification) the tile holds
+    that many tokens, so each sequence is one tile and its context is read once (γ+1 = 5 with 7
+    heads per kv head: 35 rows, a 64-row tile), up to ``MAX_TILE_ROWS``. Otherwise (prefill
+    chunks, mixed batches) the tile holds as many tokens as fit ``tile_rows``.
+    ``batch_invariant``: every tile has ``tile_rows`` rows (``max_q_len`` only lowers the tokens
+    per tile), so the dots have one shape whatever the batch: a token's arithmetic must not
+    depend on whether it is decoded alone or verified in a window.
+    ``q_block`` (tokens) overrides the choice of tokens."""
+    tile_rows = max(MIN_DOT, _next_pow2(tile_rows))
+    if q_block is None:
+        fits = max(1, tile_rows // group)
+        if batch_invariant:
+            q_block = fits if max_q_len is None else min(max_q_len, fits)
+        elif max_q_len is not None and max_q_len * group <= MAX_TILE_ROWS:
+            q_block = max_q_len
+        else:
+            q_block = fits
+    rows = max(MIN_DOT, _next_pow2(q_block * group))
+    if batch_invariant:
+        rows = max(rows, tile_rows)
+    return q_block, rows
+
+
+def pages_per_iteration(pages_per_iter: int, num_pages: int, block_size: int, head_dim: int,
+                        itemsize: int) -> int:
+    """The pages one loop iteration reads: ``pages_per_iter`` rounded up to a power of two, no
+    more than ``KV_TILE_BYTES`` of K allow or the page table's width (rounded up) needs, and
+    never under 16 keys (Triton's smallest dot)."""
+    ppi = min(_next_pow2(pages_per_iter), _next_pow2(num_pages))
+    budget = KV_TILE_BYTES // (block_size * head_dim * itemsize)
+    if budget >= 1:
+        ppi = min(ppi, 1 << (budget.bit_length() - 1))
+    return max(ppi, _next_pow2(-(-MIN_DOT // block_size)))
+
+
+def context_splits(num_tiles: int, kv_heads: int, num_chunks: int, programs: int = PROGRAMS,
+                   batch_invariant: bool = False,
+                   invariant_splits: int = INVARIANT_SPLITS) -> int:
+    """How many programs each (query tile, kv head) splits its context over (flash-decoding).
+
+    Enough that the grid has about ``programs`` programs: a B = 1 decode over 2 kv heads gets
+    up to ``programs / 2`` splits, a batch of 32 a few, a batch of 128 tiles none. Never more
+    than the chunks of ``pages_per_iter`` pages the page table holds (``num_chunks``): each
+    split reads at least one. ``batch_invariant``: ``invariant_splits`` (fixed per model, so a
+    token's context is cut at the same places whatever its batch)."""
+    cap = max(1, min(MAX_SPLITS, num_chunks))
+    if batch_invariant:
+        return max(1, min(invariant_splits, cap))
+    return max(1, min(cap, -(-programs // max(1, num_tiles * kv_heads))))
 
 
 def _tile_plan(md: AttentionMetadata, num_tokens: int, q_block: int, block_size: int,
@@ -318,43 +390,96 @@ def _tile_plan(md: AttentionMetadata, num_tokens: int, q_block: int, block_size:
             token_tile, token_row)
 
 
-def _load_page(refs, layer, block, head):
-    """One page of one kv head, [block_size, D], from the pool segment that holds ``block``
-    (``jspec.kernels.segments``): a branch per page, so an expanded pool reads each page once."""
+def _split_plan(first_page: jax.Array, end_page: jax.Array, pages_per_iter: int,
+                num_chunks: int, splits: int, batch_invariant: bool):
+    """Per (tile, split): the chunks of ``pages_per_iter`` pages it reads, ``[lo, hi)``.
+
+    Chunks sit at absolute multiples of ``pages_per_iter`` pages, so a page is in the same
+    chunk whichever tile reads it. A tile reads the chunks holding its pages ``[first, end)``,
+    cut into ``splits`` runs of equal length (the last shorter; a split past the context reads
+    nothing). Batch-invariant: the runs are fixed slots of the page table instead
+    (``ceil(num_chunks / splits)`` chunks each), so where a token's context is cut does not
+    depend on the other tokens of its tile."""
+    c0 = first_page // pages_per_iter
+    c1 = jnp.where(end_page > first_page, -(-end_page // pages_per_iter), c0)
+    s = jnp.arange(splits, dtype=jnp.int32)[None, :]
+    if batch_invariant:
+        per = -(-num_chunks // splits)
+        lo = jnp.maximum(c0[:, None], s * per)
+        hi = jnp.minimum(c1[:, None], (s + 1) * per)
+    else:
+        per = (c1 - c0 + splits - 1) // splits
+        lo = c0[:, None] + s * per[:, None]
+        hi = jnp.minimum(c1[:, None], lo + per[:, None])
+    return lo.astype(jnp.int32), jnp.maximum(hi, lo).astype(jnp.int32)
+
+
+def _load_pages(refs, layer, blocks, head, live, block_size: int, head_dim: int):
+    """One kv head's K (or V) of the pages ``blocks`` ([n] block ids), [n * block_size, D].
+
+    Pages not ``live`` (past the context, before a sliding window) are masked loads: their
+    lanes issue no memory access and read as zeros. A two-segment pool
+    (``jspec.kernels.segments``) loads every page from both segments under complementary masks
+    and selects: each page's bytes are read once, from the segment that holds it, with no
+    branch (a branch per page splits the loop body in two, which halves the loads Triton can
+    pipeline). Indices are full arrays (Pallas' interpreter takes no mix of vector indices and
+    slices); Triton derives the same contiguous rows from them."""
+    n = blocks.shape[0]
+    shape = (n, block_size, head_dim)
+    slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    dim = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
+    live = jnp.broadcast_to(live[:, None, None], shape)
     if len(refs) == 1:
-        return refs[0][layer, block, :, head, :]
-    base, ext = refs
-    n = base.shape[1]
-    return jax.lax.cond(block < n, lambda: base[layer, block, :, head, :],
-                        lambda: ext[layer, block - n, :, head, :])
+        idx = jnp.broadcast_to(blocks[:, None, None], shape)
+        out = plgpu.load(refs[0].at[layer, idx, slot, head, dim], mask=live, other=0)
+    else:
+        base, ext = refs
+        n0 = base.shape[1]
+        in_base = jnp.broadcast_to((blocks < n0)[:, None, None], shape)
+        idx = jnp.broadcast_to(blocks[:, None, None], shape)
+        from_base = plgpu.load(base.at[layer, jnp.minimum(idx, n0 - 1), slot, head, dim],
+                               mask=live & in_base, other=0)
+        from_ext = plgpu.load(ext.at[layer, jnp.clip(idx - n0, 0, ext.shape[1] - 1), slot,
+                                     head, dim], mask=live & ~in_base, other=0)
+        out = jnp.where(in_base, from_base, from_ext)
+    return out.reshape(n * block_size, head_dim)
 
 
-def _rpa_kernel(tile_seq_ref, tile_q_start_ref, first_page_ref, end_page_ref, page_table_ref,
-                layer_ref, row_pos_ref, q_ref, *refs, q_block: int, group: int,
-                block_size: int, sliding_window: int | None, sm_scale: float,
-                num_segments: int):
-    """One (query tile, kv head): rows are (token, query head of the group), token-major.
-    ``refs`` are the K segments, the V segments and the output."""
+def _rpa_kernel(tile_seq_ref, tile_q_start_ref, first_page_ref, end_page_ref, chunk_lo_ref,
+                chunk_hi_ref, page_table_ref, layer_ref, row_pos_ref, q_ref, *refs, rows: int,
+                group: int, pages_per_iter: int, block_size: int,
+                sliding_window: int | None, sm_scale: float, num_segments: int, split: bool):
+    """One (query tile, kv head, context split): rows are (token, query head of the group),
+    token-major. ``refs``: the K segments, the V segments, then the output (the normalised
+    tile) or, when the context is split, the split's unnormalised softmax state (acc, max,
+    sum) for ``_combine``."""
     k_refs, v_refs = refs[:num_segments], refs[num_segments:2 * num_segments]
-    o_ref = refs[-1]
-    tile = pl.program_id(0)
-    head = pl.program_id(1)
-    rows = q_block * group
+    out_refs = refs[2 * num_segments:]
+    tile, head, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = tile_seq_ref[tile]
     start = tile_q_start_ref[tile] * group
     # dots take the storage dtype and accumulate in f32 (tensor cores on GPU); softmax is f32
     q = (q_ref[head, pl.ds(start, rows), :].astype(jnp.float32) * sm_scale).astype(q_ref.dtype)
     q_pos = row_pos_ref[pl.ds(start, rows)]  # [rows]
     layer = layer_ref[0]
+    first, end = first_page_ref[tile], end_page_ref[tile]
+    keys = pages_per_iter * block_size
+    head_dim = q_ref.shape[-1]
+    # f32 pools: full-precision dots (a GPU would otherwise round the inputs to TF32, ~1e-3)
+    precision = jax.lax.Precision.HIGHEST if k_refs[0].dtype == jnp.float32 else None
 
-    def body(page, carry):
+    def body(chunk, carry):
         m, l, acc = carry
-        block = page_table_ref[seq, page]
-        k = _load_page(k_refs, layer, block, head).astype(q.dtype)  # [block_size, D]
-        v = _load_page(v_refs, layer, block, head)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [rows, block_size]
-        k_pos = page * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
+        page0 = chunk * pages_per_iter
+        pages = page0 + jax.lax.iota(jnp.int32, pages_per_iter)
+        live = (pages >= first) & (pages < end)
+        blocks = page_table_ref[seq, pl.ds(page0, pages_per_iter)]
+        k = _load_pages(k_refs, layer, blocks, head, live, block_size, head_dim)
+        v = _load_pages(v_refs, layer, blocks, head, live, block_size, head_dim)
+        s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
+                                precision=precision,
+                                preferred_element_type=jnp.float32)  # [rows, keys]
+        k_pos = page0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 1)
         mask = k_pos <= q_pos[:, None]
         if sliding_window is not None:
             mask = mask & (k_pos > q_pos[:, None] - sliding_window)
@@ -363,15 +488,42 @@ def _rpa_kernel(tile_seq_ref, tile_q_start_ref, first_page_ref, end_page_ref, pa
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(axis=1)
-        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v,
+        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, precision=precision,
                                              preferred_element_type=jnp.float32)
         return m_new, l, acc
 
-    head_dim = q_ref.shape[-1]
     init = (jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(first_page_ref[tile], end_page_ref[tile], body, init)
-    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+    lo, hi = chunk_lo_ref[tile, part], chunk_hi_ref[tile, part]
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    if not split:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+        return
+    acc_ref, m_ref, l_ref = out_refs
+
+    @pl.when(lo < hi)  # a split past the context writes nothing; _combine skips it
+    def _():
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _combine(acc: jax.Array, m: jax.Array, l: jax.Array, live: jax.Array) -> jax.Array:
+    """Merge the splits' softmax states exactly: acc [..., splits, D], m and l [..., splits],
+    ``live`` (broadcastable to m) marks the splits that read something (the others' outputs
+    were never written). Each split's share is rescaled to the common max; the sums over the
+    splits run in split order, one elementwise step at a time, so a token's result does not
+    depend on the shape of the batch around it."""
+    m = jnp.where(live, m, _MASKED)
+    l = jnp.where(live, l, 0.0)
+    acc = jnp.where(live[..., None], acc, 0.0)
+    w = jnp.exp(m - m.max(axis=-1, keepdims=True))
+    num, den = acc[..., 0, :] * w[..., 0, None], l[..., 0] * w[..., 0]
+    for s in range(1, m.shape[-1]):
+        num = num + acc[..., s, :] * w[..., s, None]
+        den = den + l[..., s] * w[..., s]
+    return num / jnp.maximum(den, 1e-30)[..., None]
 
 
 def ragged_paged_attention(
@@ -385,18 +537,27 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     q_block: int | None = None,
     max_q_len: int | None = None,
+    batch_invariant: bool = False,
+    pages_per_iter: int = PAGES_PER_ITER,
+    programs: int = PROGRAMS,
+    invariant_splits: int = INVARIANT_SPLITS,
+    tile_rows: int = TILE_ROWS,
     interpret: bool = False,
     compiler_params=None,
 ) -> jax.Array:
     """The Pallas kernel; same arguments and result as ``ragged_paged_attention_reference``.
 
-    ``q_block``: tokens per query tile (default ``default_q_block``). ``max_q_len``: a static
-    bound on every sequence's new tokens, which the caller guarantees; it shrinks the grid to
-    ``S * ceil(max_q_len / q_block)`` tiles when that is fewer (``_tile_plan``). ``interpret``
-    runs the kernel through Pallas' interpreter (any backend, CPU included; that is how the
-    tests run it).
-    Query heads per kv head are padded to a power of two (GPU block shapes must be); the padding
-    rows compute nothing anyone reads.
+    ``max_q_len``: a static bound on every sequence's new tokens, which the caller guarantees;
+    the query tile then holds that many tokens (``kernel_tile``) and the grid has one tile per
+    sequence. ``q_block``: tokens per query tile, overriding ``kernel_tile``'s choice.
+    ``batch_invariant``: a token's arithmetic does not depend on its batch (one tile shape per
+    model, context splits at fixed places: ``kernel_tile``, ``context_splits``,
+    ``_split_plan``). ``pages_per_iter``: pages each loop iteration reads (as
+    ``pages_per_iteration`` bounds it);
+    ``programs``: the grid size the context split aims at; ``invariant_splits``: the split
+    count of the batch-invariant mode; ``tile_rows``: query rows per tile when unbounded.
+    ``interpret`` runs the kernel through Pallas' interpreter (any backend, CPU included; that
+    is how the tests run it); ``compiler_params``: Triton's (``gpu_lowering``).
     """
     num_tokens, num_heads, head_dim = q.shape
     k_segs, v_segs = seg.segments(k_pool), seg.segments(v_pool)
@@ -406,36 +567,65 @@ def ragged_paged_attention(
     if num_heads % kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {kv_heads} kv heads")
     group = num_heads // kv_heads
-    gp = _next_pow2(group)
-    q_block = q_block or default_q_block(group)
-    rows = q_block * gp
+    q_block, rows = kernel_tile(group, max_q_len, q_block, tile_rows, batch_invariant)
+    num_pages = md.page_table.shape[1]
+    ppi = pages_per_iteration(pages_per_iter, num_pages, block_size, head_dim,
+                              jnp.dtype(k_segs[0].dtype).itemsize)
     (tile_seq, tile_q_start, first_page, end_page, token_tile,
      token_row) = _tile_plan(md, num_tokens, q_block, block_size, sliding_window, max_q_len)
     num_tiles = tile_seq.shape[0]
+    num_chunks = -(-num_pages // ppi)
+    splits = context_splits(num_tiles, kv_heads, num_chunks, programs, batch_invariant,
+                            invariant_splits)
+    chunk_lo, chunk_hi = _split_plan(first_page, end_page, ppi, num_chunks, splits,
+                                     batch_invariant)
+    # whole chunks of the page table are read; the padding pages are masked
+    page_table = jnp.pad(md.page_table.astype(jnp.int32),
+                         ((0, 0), (0, num_chunks * ppi - num_pages)))
 
-    # q -> [kv_heads, (T + q_block) * gp, D], rows token-major within each kv head, so a tile is
-    # one contiguous slice; the extra q_block tokens keep the last tile's slice in bounds.
-    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, q_block), (0, 0), (0, gp - group), (0, 0)))
-    qg = qg.transpose(1, 0, 2, 3).reshape(kv_heads, (num_tokens + q_block) * gp, head_dim)
-    row_pos = jnp.repeat(jnp.pad(md.positions.astype(jnp.int32), (0, q_block)), gp)
+    # q -> [kv_heads, T * group + rows, D], rows token-major within each kv head, so a tile is
+    # one contiguous slice; the extra rows keep the last tile's slice in bounds.
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qg = jnp.pad(qg.reshape(kv_heads, num_tokens * group, head_dim), ((0, 0), (0, rows), (0, 0)))
+    row_pos = jnp.pad(jnp.repeat(md.positions.astype(jnp.int32), group), (0, rows))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    kernel = functools.partial(_rpa_kernel, q_block=q_block, group=gp, block_size=block_size,
-                               sliding_window=sliding_window, sm_scale=float(sm_scale),
-                               num_segments=len(k_segs))
+    kernel = functools.partial(_rpa_kernel, rows=rows, group=group, pages_per_iter=ppi,
+                               block_size=block_size, sliding_window=sliding_window,
+                               sm_scale=float(sm_scale), num_segments=len(k_segs),
+                               split=splits > 1)
+    grid = (num_tiles, kv_heads, splits)
+    if splits == 1:
+        out_specs = pl.BlockSpec((None, None, None, rows, head_dim),
+                                 lambda t, h, s: (t, h, s, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((num_tiles, kv_heads, 1, rows, head_dim), q.dtype)
+    else:
+        state = (num_tiles, kv_heads, splits, rows)
+        out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
+                                  lambda t, h, s: (t, h, s, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda t, h, s: (t, h, s, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda t, h, s: (t, h, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct(state + (head_dim,), jnp.float32),
+                     jax.ShapeDtypeStruct(state, jnp.float32),
+                     jax.ShapeDtypeStruct(state, jnp.float32)]
     out = pl.pallas_call(
         kernel,
-        grid=(num_tiles, kv_heads),
-        in_specs=[pl.no_block_spec] * (8 + 2 * len(k_segs)),
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_tiles, kv_heads, rows, head_dim), q.dtype),
+        grid=grid,
+        in_specs=[pl.no_block_spec] * (10 + 2 * len(k_segs)),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=compiler_params,
         name="ragged_paged_attention",
-    )(tile_seq, tile_q_start, first_page, end_page, md.page_table.astype(jnp.int32), layer_arr,
+    )(tile_seq, tile_q_start, first_page, end_page, chunk_lo, chunk_hi, page_table, layer_arr,
       row_pos, qg, *k_segs, *v_segs)
-    # tiles -> tokens: token t is row token_row[t] of tile token_tile[t]
-    out = out.reshape(num_tiles, kv_heads, q_block, gp, head_dim)
-    out = out[token_tile, :, token_row, :group, :]  # [T, kv_heads, group, D]
-    return out.reshape(num_tokens, num_heads, head_dim)
+    # tiles -> tokens: token t is rows token_row[t] * group + (0..group-1) of tile token_tile[t]
+    sel_tile = token_tile[:, None]
+    sel_row = token_row[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
+    if splits == 1:
+        res = out[sel_tile, :, 0, sel_row]  # [T, group, kv_heads, D]
+    else:
+        acc, m, l = (a[sel_tile, :, :, sel_row] for a in out)  # [T, group, kv_heads, splits..]
+        live = (chunk_lo < chunk_hi)[token_tile][:, None, None, :]
+        res = _combine(acc, m, l, live).astype(q.dtype)
+    return res.transpose(0, 2, 1, 3).reshape(num_tokens, num_heads, head_dim)

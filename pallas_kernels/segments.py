@@ -13,8 +13,10 @@ A single array is the one-segment case, and every function here costs exactly wh
 indexing costs on it: the unexpanded pool compiles to the same program as before.
 
 Reads from two segments gather from both (index clamped into each) and select, so the pure-jnp
-paths read twice the bytes while the pool is expanded; the Pallas kernels branch per page instead
-(``ragged_paged_attention._rpa_kernel``, ``kv_migration._migrate_kernel``).
+paths read twice the bytes while the pool is expanded. The Pallas attention kernel loads from
+both under complementary masks, so each page is read once, from its own segment
+(``ragged_paged_attention._load_pages``); the migration kernel branches per row chunk
+(``kv_migration._migrate_kernel``).
 """
 
 from __future__ import annotations

@@ -4,15 +4,19 @@ JAX lowers a Pallas kernel for a GPU without one (``.lower(lowering_platforms=("
 the kernel's jaxpr becomes Triton IR inside an XLA custom call. These tests lower the engine's
 own GPU functions (``backend.attention_fn("pallas")``, ``backend.migration_fn("pallas")``) and
 read the call: Triton (not Mosaic GPU, which JAX picks for a ``pallas_call`` without Triton's
-compiler parameters), the engine's warps and stages, the grid the kernel was planned with. They
-cannot tell whether Triton then compiles the IR for a given GPU; that needs the GPU.
-Also here: backend selection judging each kernel on its own and refusing what cannot lower.
+compiler parameters), the engine's warps and stages, the grid the kernel was planned with; and
+the Triton IR itself where a property lives there (full-precision f32 dots, pages loaded per
+iteration, no branch per page). They cannot tell whether Triton then compiles the IR for a
+given GPU, nor how fast it runs; that needs the GPU.
+Also here: backend selection judging each kernel on its own and refusing what cannot lower, and
+the settings recorded per GPU model that the kernels lower with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import re
 
@@ -22,8 +26,9 @@ import numpy as np
 import pytest
 
 from jspec.kernels import backend, gpu_lowering
+from jspec.kernels import ragged_paged_attention as rpa
 from jspec.kernels.gpu_lowering import KernelShape
-from jspec.kernels.ragged_paged_attention import AttentionMetadata, default_q_block
+from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
 sds = jax.ShapeDtypeStruct
 TRITON_TARGET = "__gpu$xla.gpu.triton"  # JAX 0.10's custom call for a Pallas Triton kernel
@@ -42,6 +47,7 @@ def custom_calls(text: str) -> list[dict]:
         attrs = dict(re.findall(r"([a-z_]\w*) = (\"[^\"]*\"|[-\w]+)", line))
         calls.append({"target": m.group(1),
                       "aliases": line.count("output_operand_alias<"),
+                      "results": re.findall(r"tensor<([\dx]+)x\w+>", line.split("->")[-1]),
                       **{k: v.strip('"') for k, v in attrs.items()}})
     return calls
 
@@ -84,47 +90,161 @@ POOLS = {"plain": (None, 1), "window": (32, 1), "segmented": (None, 2),
 NUM_BLOCKS, PAGES = 12, 8
 
 
-def lower_attention(model: tuple, step: str, pool: str = "plain") -> tuple[str, int]:
-    """The engine's attention lowered for CUDA at ``model`` (a ``MODELS`` value); also the
-    query-tile count its grid should have."""
+def lower_attention(model: tuple, step: str, pool: str = "plain", pages: int = PAGES,
+                    steps: dict = STEPS, **kwargs) -> tuple[str, tuple[int, int, int]]:
+    """The engine's attention lowered for CUDA at ``model`` (a ``MODELS`` value), with a page
+    table ``pages`` wide; also the grid (query tiles, kv heads, context splits) it should have
+    with the default settings."""
     heads, kv_heads, head_dim, block_size, dtype = model
-    seqs, tokens, max_q_len = STEPS[step]
+    seqs, tokens, max_q_len = steps[step]
     window, segments = POOLS[pool]
     dims = (block_size, kv_heads, head_dim)
     kv = (sds((2, NUM_BLOCKS) + dims, dtype) if segments == 1 else
           (sds((2, NUM_BLOCKS) + dims, dtype), sds((2, 4) + dims, dtype)))
     md = AttentionMetadata(positions=i32((tokens,)), cu_q_lens=i32((seqs + 1,)),
-                           kv_lens=i32((seqs,)), page_table=i32((seqs, PAGES)))
+                           kv_lens=i32((seqs,)), page_table=i32((seqs, pages)))
     fn = functools.partial(backend.attention_fn("pallas"), sm_scale=head_dim ** -0.5,
-                           sliding_window=window, max_q_len=max_q_len)
+                           sliding_window=window, max_q_len=max_q_len, **kwargs)
     text = lower(fn, sds((tokens, heads, head_dim), dtype), kv, kv, i32(()), md)
-    q_block = default_q_block(heads // kv_heads)
+    invariant = kwargs.get("batch_invariant", False)
+    q_block, _ = rpa.kernel_tile(heads // kv_heads, max_q_len, batch_invariant=invariant)
     tiles = -(-tokens // q_block) + seqs if q_block > 1 else tokens
     if max_q_len is not None:
         tiles = min(tiles, seqs * -(-max_q_len // q_block))
-    return text, tiles
+    ppi = rpa.pages_per_iteration(kwargs.get("pages_per_iter", rpa.PAGES_PER_ITER), pages,
+                                  block_size, head_dim, jnp.dtype(dtype).itemsize)
+    chunks = -(-pages // ppi)
+    splits = rpa.context_splits(tiles, kv_heads, chunks, kwargs.get("programs", rpa.PROGRAMS),
+                                invariant)
+    return text, (tiles, kv_heads, splits)
 
 
+def grid(call: dict) -> tuple[int, int, int]:
+    return int(call["grid_x"]), int(call["grid_y"]), int(call["grid_z"])
+
+
+@pytest.mark.parametrize("pages", [PAGES, 256], ids=["short", "long"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("model", MODELS)
-def test_attention_lowers_through_triton(model, step):
-    text, tiles = lower_attention(MODELS[model], step)
+def test_attention_lowers_through_triton(model, step, invariant, pages):
+    """Every model and step, with the engine's drafts' numerics and its target's
+    (``deterministic``: batch-invariant), over page tables of one chunk and of many (the
+    context split over programs and merged)."""
+    text, expected = lower_attention(MODELS[model], step, pages=pages,
+                                     batch_invariant=invariant)
     call = the_triton_call(text, "attention", "ragged_paged_attention")
-    kv_heads = MODELS[model][1]
-    assert (int(call["grid_x"]), int(call["grid_y"])) == (tiles, kv_heads)
+    assert grid(call) == expected
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("pool", ["window", "segmented", "segmented-window"])
-def test_attention_over_windows_and_segmented_pools_lowers_through_triton(pool, step):
-    text, _ = lower_attention(MODELS["qwen05b-gqa7-d64-bf16"], step, pool)
-    the_triton_call(text, "attention", "ragged_paged_attention")
+def test_attention_over_windows_and_segmented_pools_lowers_through_triton(pool, step,
+                                                                          invariant):
+    text, expected = lower_attention(MODELS["qwen05b-gqa7-d64-bf16"], step, pool, pages=64,
+                                     batch_invariant=invariant)
+    assert expected[2] > 1  # the split is lowered too
+    call = the_triton_call(text, "attention", "ragged_paged_attention")
+    assert grid(call) == expected
+
+
+# 4k-token contexts at block 16 (256 pages): one decode, 32 decodes, 32 γ = 4 verifications
+LONG = {"b1-decode": (1, 1, 1), "b32-decode": (32, 32, 1), "b32-verify": (32, 160, 5)}
+
+
+@pytest.mark.parametrize("step, model, settings, expected_grid, rows", [
+    # a lone decode over 2 kv heads: 32 splits of one 8-page chunk each, 64 programs...
+    ("b1-decode", "qwen05b-gqa7-d64-bf16", {}, (1, 2, 32), 16),
+    # ... 128 with 4 pages per iteration
+    ("b1-decode", "qwen05b-gqa7-d64-bf16", {"pages_per_iter": 4}, (1, 2, 64), 16),
+    ("b1-decode", "qwen7b-gqa7-d128-bf16", {}, (1, 4, 32), 16),
+    # a 32 x 128 f32 page is 16 KiB: 2 pages per iteration, 128 chunks, 64 splits (the most)
+    ("b1-decode", "gqa4-d128-bs32-f32", {}, (1, 2, 64), 16),
+    # 32 sequences are 64 programs before any split: 4 splits reach 256
+    ("b32-decode", "qwen05b-gqa7-d64-bf16", {}, (32, 2, 4), 16),
+    ("b32-decode", "qwen05b-gqa7-d64-bf16", {"programs": 64}, (32, 2, 1), 16),
+    # γ + 1 = 5 tokens x 7 heads = 35 rows: one 64-row tile per sequence
+    ("b32-verify", "qwen05b-gqa7-d64-bf16", {}, (32, 2, 4), 64),
+    # batch-invariant: one 64-row tile shape and 8 context slots, whatever the batch
+    ("b1-decode", "qwen05b-gqa7-d64-bf16", {"batch_invariant": True}, (1, 2, 8), 64),
+    ("b32-verify", "qwen05b-gqa7-d64-bf16", {"batch_invariant": True}, (32, 2, 8), 64),
+])
+def test_attention_splits_the_context_of_small_batches(step, model, settings, expected_grid,
+                                                       rows):
+    """Flash-decoding: the grid (query tiles, kv heads, context splits) and the split's
+    softmax state (acc [tiles, kv heads, splits, rows, D], max and sum) as lowered for CUDA."""
+    head_dim = MODELS[model][2]
+    text, _ = lower_attention(MODELS[model], step, pages=256, steps=LONG, **settings)
+    call = the_triton_call(text, "attention", "ragged_paged_attention")
+    assert grid(call) == expected_grid
+    tiles, kv_heads, splits = expected_grid
+    state = f"{tiles}x{kv_heads}x{splits}x{rows}"
+    if splits == 1:  # the tile is normalised in the kernel: one output in the model's dtype
+        assert call["results"] == [f"{tiles}x{kv_heads}x1x{rows}x{head_dim}"]
+    else:
+        assert call["results"] == [f"{state}x{head_dim}", state, state]
 
 
 def test_attention_with_a_head_dim_triton_cannot_take_fails_to_lower():
     """What backend selection guards against: head_dim 80 (phi-2) is no power of two."""
     with pytest.raises(ValueError, match="power of 2"):
         lower_attention((4, 2, 80, 16, jnp.float32), "decode")
+
+
+@pytest.fixture
+def triton_ir(monkeypatch):
+    """The Triton IR (MLIR text) of every Pallas kernel lowered while the fixture is active.
+    The custom call carries it as bytecode; this reads it from JAX's Pallas-to-Triton lowering
+    (a private function of JAX 0.10: if it moves, these tests fail loudly at the patch)."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    modules = []
+    real = registration.lowering.lower_jaxpr_to_triton_module
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", spy)
+    return modules
+
+
+def ops(module: str, op: str) -> list[str]:
+    return [line.strip() for line in module.splitlines() if re.search(rf"\b{op}\b", line)]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_attention_dots_of_float32_pools_run_at_full_precision(model, triton_ir):
+    """Without an explicit precision, Triton multiplies f32 inputs as TF32 (~1e-3 error)."""
+    lower_attention(MODELS[model], "decode")
+    (module,) = triton_ir
+    dots = ops(module, "tt.dot")
+    assert len(dots) == 2  # q k^T and p v, once per loop iteration
+    if MODELS[model][4] == jnp.float32:
+        assert all("xf32> * tensor<" in d and "tf32" not in d for d in dots), dots
+    else:
+        assert all("xbf16> * tensor<" in d for d in dots), dots
+
+
+@pytest.mark.parametrize("settings, pages", [({}, 8), ({"pages_per_iter": 4, "programs": 8}, 4),
+                                             ({"pages_per_iter": 16}, 8)])  # <= table width
+@pytest.mark.parametrize("pool", ["plain", "segmented"])
+def test_attention_reads_several_pages_per_iteration_and_never_branches_per_page(
+        pool, settings, pages, triton_ir):
+    """Each loop iteration loads ``pages`` pages of K and of V as one masked gather each (from
+    both segments under complementary masks when the pool has two); no ``scf.if`` anywhere,
+    the split of a segmented pool included (one context split here, so no guarded store)."""
+    text, (_, _, splits) = lower_attention(MODELS["qwen05b-gqa7-d64-bf16"], "decode", pool,
+                                           **settings)
+    assert splits == 1
+    (module,) = triton_ir
+    assert not ops(module, "scf.if")
+    (loop,) = ops(module, "scf.for")
+    page_loads = [op for op in ops(module, "tt.load") if f"<{pages}x16x64x!tt.ptr<bf16>>" in op]
+    assert len(page_loads) == 2 * POOLS[pool][1]
+    assert all(op.count("%") == 4 for op in page_loads), page_loads  # result, ptr, mask, other
 
 
 # ----------------------------------------------------------------------------- migration
@@ -245,3 +365,73 @@ def test_the_engine_judges_the_kernels_at_every_shape_it_runs_them_at(engine_mod
     assert seen == [[shape(target.cfg), shape(draft.cfg), shape(target.cfg, segments=2)]]
     assert engine.runner.kernels == backend.Kernels("reference", "reference")  # on CPU
     assert engine.runner.kernel_backend == "reference"
+
+
+# ----------------------------------------------------------------------------- tuned settings
+FAKE_GPU = "NVIDIA Fake 80GB HBM3"
+
+
+@pytest.fixture
+def tuning_file(tmp_path, monkeypatch):
+    """A tuning file of its own, read as if this process ran on a ``FAKE_GPU``."""
+    path = tmp_path / "kernel_tuning.json"
+    monkeypatch.setenv(gpu_lowering.TUNING_ENV, str(path))
+    monkeypatch.setattr(gpu_lowering, "device_name", lambda: FAKE_GPU)
+    gpu_lowering.settings.cache_clear()
+    yield path
+    gpu_lowering.settings.cache_clear()
+
+
+def test_no_gpu_model_off_a_gpu():
+    assert gpu_lowering.device_name() is None
+    assert gpu_lowering.recorded("attention", None) is None
+
+
+def test_the_kernels_lower_with_the_settings_recorded_for_this_gpu_model(tuning_file,
+                                                                         triton_ir):
+    assert gpu_lowering.tuning_path() == tuning_file
+    assert gpu_lowering.settings("attention") == gpu_lowering.DEFAULTS["attention"]
+    gpu_lowering.record("NVIDIA Other GPU", "attention", {"num_warps": 2})
+    gpu_lowering.record(FAKE_GPU, "attention",
+                        {"num_warps": 8, "num_stages": 3, "pages_per_iter": 4},
+                        seconds=[1e-4, 2e-4])
+    gpu_lowering.record(FAKE_GPU, "migration", {"num_warps": 2, "num_stages": 1})
+    data = json.loads(tuning_file.read_text())
+    assert set(data) == {"NVIDIA Other GPU", FAKE_GPU}
+    assert data[FAKE_GPU]["attention"]["seconds"] == [1e-4, 2e-4]
+    gpu_lowering.settings.cache_clear()  # settings are read once per process
+    assert gpu_lowering.settings("attention") == {"num_warps": 8, "num_stages": 3,
+                                                  "pages_per_iter": 4, "programs": 256}
+
+    text, _ = lower_attention(MODELS["qwen05b-gqa7-d64-bf16"], "decode")
+    call = the_triton_call(text, "attention", "ragged_paged_attention")
+    assert (call["num_warps"], call["num_stages"]) == ("8", "3")
+    (module,) = triton_ir
+    assert len([op for op in ops(module, "tt.load") if "<4x16x64x!tt.ptr<bf16>>" in op]) == 2
+    kv = sds((2, NUM_BLOCKS, 16, 2, 64), jnp.bfloat16)
+    text = lower(backend.migration_fn("pallas"), kv, kv, i32((BUCKET, 2)))
+    call = the_triton_call(text, "migration", "kv_migration")
+    assert (call["num_warps"], call["num_stages"]) == ("2", "1")
+
+
+def test_settings_of_other_gpu_models_or_an_unusable_file_leave_the_defaults(tuning_file,
+                                                                             caplog):
+    defaults = gpu_lowering.DEFAULTS["attention"]
+    gpu_lowering.record("NVIDIA Other GPU", "attention", {"num_warps": 8})
+    assert gpu_lowering.settings("attention") == defaults
+    for content, reason in [("{not json", "cannot be read"),
+                            (json.dumps({FAKE_GPU: {"attention": {"settings": {
+                                "num_warps": 3}}}}), "num_warps must be a power of two"),
+                            (json.dumps({FAKE_GPU: {"attention": {"warps": 8}}}),
+                             "no settings mapping")]:
+        tuning_file.write_text(content)
+        gpu_lowering.settings.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert gpu_lowering.settings("attention") == defaults
+        (message,) = warnings_of(caplog)
+        assert "ignoring the recorded attention kernel settings" in message and reason in message
+    with pytest.raises(ValueError, match="attention has no setting block_rows"):
+        gpu_lowering.record(FAKE_GPU, "attention", {"block_rows": 64})
+    with pytest.raises(ValueError, match="num_stages must be a positive integer"):
+        gpu_lowering.record(FAKE_GPU, "migration", {"num_stages": 0})

@@ -1,4 +1,6 @@
-"""Pallas kernels (CPU interpret mode) against their pure-jnp references, and the backend switch.
+"""Pallas kernels against their pure-jnp references, and the backend switch. The kernels run
+interpreted (any machine) or, with ``JSPEC_KERNEL_TESTS=compiled`` on a GPU, compiled as the
+engine runs them (tests/kernel_mode.py).
 
 Shapes are fixed per case (T tokens, S sequence rows, P pages, pool size) so each case compiles
 the kernel and the reference once; hypothesis varies only array contents: how many tokens each
@@ -32,6 +34,12 @@ from jspec.kernels.ragged_paged_attention import (
     ragged_paged_attention_tiled,
     reference_q_block,
 )
+
+import kernel_mode
+
+kernel_mode.skip_module_without_gpu()
+ragged_paged_attention = kernel_mode.as_tested(ragged_paged_attention, "attention")
+migrate_blocks = kernel_mode.as_tested(migrate_blocks, "migration")
 
 T, S = 48, 5  # flat tokens, sequence rows
 LAYERS = 2
@@ -150,7 +158,8 @@ def test_attention_kernel_q_block_is_a_parameter():
     kvh, group, head_dim, *_ = CASES[name]
     q, k, v, md, live = _make_inputs(name, [3, 20, 1], [3, 70, 64], seed=5)
     ref = ragged_paged_attention_reference(q, k, v, 0, md, sm_scale=0.125)
-    for q_block in (1, 7):
+    # (7: any size interpreted; a Triton tile must be a power of two)
+    for q_block in (1, 4 if kernel_mode.COMPILED else 7):
         out = ragged_paged_attention(q, k, v, 0, md, sm_scale=0.125, q_block=q_block,
                                      interpret=True)
         np.testing.assert_allclose(np.asarray(out)[:live], np.asarray(ref)[:live], atol=1e-5)
@@ -288,6 +297,154 @@ def test_segment_writes_land_in_the_segment_that_holds_the_block():
     got = segments.read_blocks(split, jnp.asarray([4, 1]))
     assert np.array_equal(np.asarray(got), np.asarray(whole[:, jnp.asarray([4, 1])]))
 
+# ----------------------------------------------------------------------------- GPU shaping
+def test_kernel_query_tile_follows_the_bound_on_new_tokens():
+    """(tokens, rows) of a tile: rows are tokens x heads per kv head, a power of two, >= 16."""
+    from jspec.kernels.ragged_paged_attention import kernel_tile
+
+    assert kernel_tile(7, max_q_len=5) == (5, 64)  # a γ = 4 verification: one tile, not two
+    assert kernel_tile(7, max_q_len=1) == (1, 16)  # decode: 7 rows of 16
+    assert kernel_tile(2, max_q_len=5) == (5, 16)
+    assert kernel_tile(7, max_q_len=40) == (9, 64)  # 280 rows: tiles of TILE_ROWS instead
+    assert kernel_tile(7) == (9, 64) and kernel_tile(1) == (64, 64)  # prefill chunks
+    assert kernel_tile(1, q_block=7) == (7, 16)
+    # batch-invariant: 64 rows whatever the bound, so the dots keep one shape
+    assert kernel_tile(7, max_q_len=1, batch_invariant=True) == (1, 64)
+    assert kernel_tile(7, max_q_len=5, batch_invariant=True) == (5, 64)
+    assert kernel_tile(7, batch_invariant=True) == (9, 64)
+
+
+def test_pages_per_iteration_bounded_by_keys_and_bytes():
+    from jspec.kernels.ragged_paged_attention import pages_per_iteration
+
+    assert pages_per_iteration(8, 256, 16, 64, 2) == 8
+    assert pages_per_iteration(8, 256, 16, 128, 2) == 8  # 32 KiB of K: the most
+    assert pages_per_iteration(16, 256, 16, 128, 2) == 8
+    assert pages_per_iteration(16, 256, 16, 64, 2) == 16
+    assert pages_per_iteration(8, 256, 16, 128, 4) == 4  # f32
+    assert pages_per_iteration(8, 3, 16, 64, 2) == 4  # no wider than the page table needs
+    assert pages_per_iteration(1, 256, 4, 64, 4) == 4  # at least 16 keys
+    assert pages_per_iteration(6, 256, 16, 64, 2) == 8  # a power of two
+
+
+def test_context_splits_fill_the_gpu_for_small_batches_only():
+    from jspec.kernels.ragged_paged_attention import context_splits
+
+    # 4k-token contexts at block 16 in chunks of 8 pages: 32 chunks
+    assert context_splits(1, 2, 32) == 32  # B = 1 over 2 kv heads: 64 programs, not 2
+    assert context_splits(1, 2, 64) == 64 and context_splits(1, 2, 512) == 64  # MAX_SPLITS
+    assert context_splits(32, 2, 32) == 4  # 256 programs
+    assert context_splits(128, 2, 32) == 1
+    assert context_splits(1, 2, 32, programs=16) == 8
+    assert context_splits(1, 2, 3) == 3  # a split reads at least one chunk
+    assert context_splits(1, 2, 32, batch_invariant=True) == 8  # fixed per model
+    assert context_splits(128, 2, 32, batch_invariant=True) == 8
+
+
+def _long_decode(group, dtype, context, block_size=4, pages=80, seed=0):
+    """One decode token at position ``context - 1`` (a second, empty sequence row, flat padding
+    tokens), its pages scattered over the pool: the lone decode flash-decoding splits."""
+    rng = np.random.default_rng(seed)
+    kvh, head_dim, tokens = 2, 64, 4
+    num_blocks = pages + 2
+    need = -(-context // block_size)
+    table = np.zeros((2, pages), np.int32)
+    table[0, :need] = rng.permutation(np.arange(1, num_blocks))[:need]
+    md = AttentionMetadata(jnp.asarray([context - 1, 0, 0, 0], jnp.int32),
+                           jnp.asarray([0, 1, 1], jnp.int32),
+                           jnp.asarray([context, 0], jnp.int32), jnp.asarray(table))
+    shape = (LAYERS, num_blocks, block_size, kvh, head_dim)
+    q = jnp.asarray(rng.normal(size=(tokens, kvh * group, head_dim)), dtype)
+    k = jnp.asarray(rng.normal(size=shape), dtype)
+    v = jnp.asarray(rng.normal(size=shape), dtype)
+    return q, k, v, md
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_lone_decode_split_over_the_context_matches_the_reference(dtype):
+    """B = 1 decode over a 301-token context (76 pages of 4): split over up to 19 programs per
+    kv head (one per 4-page chunk) and merged, split in 3, and not split (float32), all equal
+    to the per-token oracle; the 76-page context ends inside a chunk and a page."""
+    from jspec.kernels.ragged_paged_attention import context_splits
+
+    q, k, v, md = _long_decode(7, dtype, context=301)
+    ref = np.asarray(ragged_paged_attention_reference(q, k, v, 1, md, sm_scale=0.125)
+                     .astype(jnp.float32))[:1]
+    assert context_splits(1, 2, 80 // 4) == 20  # 19 of them read pages, the 20th none
+    kernel = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125, max_q_len=1,
+                                       pages_per_iter=4, interpret=True),
+                     static_argnames="programs")
+    for programs in (256, 6, 1) if dtype == jnp.float32 else (256,):
+        out = kernel(q, k, v, 1, md, programs=programs)
+        np.testing.assert_allclose(np.asarray(out.astype(jnp.float32))[:1], ref,
+                                   atol=TOL[dtype], rtol=0, err_msg=f"programs={programs}")
+
+
+# kernel settings beside the defaults: pages per iteration (1 and 2 are raised to 16 keys'
+# worth), splits as many as there are chunks, and the batch-invariant mode's fixed slots
+SETTINGS = {
+    "ppi2-split": dict(pages_per_iter=2, programs=4096),
+    "ppi4-split-bounded": dict(pages_per_iter=4, programs=4096, max_q_len=40),
+    "invariant": dict(pages_per_iter=1, batch_invariant=True, invariant_splits=3),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_with(name, setting):
+    kvh, group, head_dim, block_size, pages, dtype, window = CASES[name]
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, **SETTINGS[setting])
+    return jax.jit(lambda q, k, v, layer, md: ragged_paged_attention(
+        q, k, v, layer, md, interpret=True, **kw))
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("name", ["gqa3-d64-bs4-window-f32", "gqa2-d64-bs16-bf16"])
+def test_attention_kernel_settings_match_reference(name, setting):
+    """Ragged batches (decode, verification, prefill chunks, padding rows) with the context
+    split over programs and merged, several pages per iteration, the invariant mode."""
+    kernel = _kernel_with(name, setting)
+    _, ref = _fns(name)
+    dtype = CASES[name][5]
+
+    @settings(max_examples=4, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(ragged_batches(name))
+    def check(batch):
+        q, k, v, md, live = _make_inputs(name, *batch)
+        layer = jnp.asarray(1, jnp.int32)
+        out = np.asarray(kernel(q, k, v, layer, md).astype(jnp.float32))[:live]
+        expect = np.asarray(ref(q, k, v, layer, md).astype(jnp.float32))[:live]
+        np.testing.assert_allclose(out, expect, atol=TOL[dtype], rtol=0)
+
+    check()
+
+
+def test_batch_invariant_kernel_gives_a_token_the_same_bits_alone_or_in_a_batch():
+    """The kernel's batch-invariant mode (the engine's target under ``deterministic``): a
+    verification window's tokens beside decode and prefill rows give bit for bit what each
+    token gives decoded alone, with the context cut into 3 fixed slots of 2 pages. (Without
+    the mode, ``programs=16`` splits the batch's contexts in 2 and the lone token's in 6, and
+    the bits differ.)"""
+    name = "gqa2-d64-bs16-bf16"
+    kvh, group, head_dim, block_size, pages, dtype, window = CASES[name]
+    kernel = jax.jit(functools.partial(
+        ragged_paged_attention, sm_scale=head_dim ** -0.5, batch_invariant=True,
+        pages_per_iter=1, invariant_splits=3, programs=16, interpret=True),
+        static_argnames="max_q_len")
+    _, ref = _fns(name)
+    q, k, v, md, live = _make_inputs(name, [1, 5, 37], [40, 70, 49], seed=11)
+    layer = jnp.asarray(0, jnp.int32)
+    batched = np.asarray(kernel(q, k, v, layer, md))
+    np.testing.assert_allclose(batched[:live].astype(np.float32),
+                               np.asarray(ref(q, k, v, layer, md))[:live].astype(np.float32),
+                               atol=TOL[dtype], rtol=0)
+    for j in range(5):  # each of those tokens decoded alone: one token, one sequence
+        md1 = AttentionMetadata(md.positions[1 + j:2 + j], jnp.asarray([0, 1], jnp.int32),
+                                md.positions[1 + j:2 + j] + 1, md.page_table[1:2])
+        alone = kernel(q[1 + j:2 + j], k, v, layer, md1, max_q_len=1)
+        np.testing.assert_array_equal(np.asarray(alone)[0], batched[1 + j], err_msg=f"token {j}")
+
+
 # ----------------------------------------------------------------------------- migration
 MIG_SHAPE = (3, 24, 4, 2, 64)  # layers, blocks, block size, kv heads, head_dim
 
@@ -389,6 +546,8 @@ def test_compaction_plan_moves_blocks_above_the_new_end_into_free_low_blocks():
 
 
 # ----------------------------------------------------------------------------- backend switch
+@pytest.mark.skipif(kernel_mode.COMPILED, reason="the backend choice on a CPU; compiled "
+                    "kernel tests run on a GPU")
 def test_backend_resolution_on_cpu(monkeypatch):
     monkeypatch.delenv("JSPEC_KERNEL_BACKEND", raising=False)
     assert backend.platform() == "cpu"
@@ -424,8 +583,8 @@ def test_backend_functions():
 # ----------------------------------------------------------------------------- in the engine
 def test_engine_on_the_interpreted_kernel_is_lossless(engine_models):
     """The whole engine (prefill chunks, draft loop, catch-up, verification) with every attention
-    call going through the Pallas kernel in interpret mode: greedy output equals the target-only
-    run on the reference attention."""
+    call going through the Pallas kernel (interpreted, or compiled: tests/kernel_mode.py):
+    greedy output equals the target-only run on the reference attention."""
     from conftest import make_engine, run_to_completion
     from jspec.sampling_params import SamplingParams
     from jspec.policies.static import StaticPolicy
@@ -435,8 +594,8 @@ def test_engine_on_the_interpreted_kernel_is_lossless(engine_models):
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     expect = run_to_completion(make_engine(target, None), prompts, greedy)
     engine = make_engine(target, draft, policy=StaticPolicy(7, gamma=3),
-                         kernel_backend="interpret", warmup=False)
-    assert engine.runner.kernel_backend == "interpret"
+                         kernel_backend=kernel_mode.ENGINE_BACKEND, warmup=False)
+    assert engine.runner.kernel_backend == kernel_mode.ENGINE_BACKEND
     got = run_to_completion(engine, prompts, greedy)
     for i in range(len(prompts)):
         assert got[str(i)].token_ids == expect[str(i)].token_ids

@@ -21,14 +21,34 @@ Every timed implementation is also checked on the point it is timed on: attentio
 per-token jnp oracle (``ragged_paged_attention_reference``; ``max_abs_err`` in the results), a
 migration against the same copy done by numpy on the host (``exact``: must be bit-identical).
 ``measure`` returns the results that ``run`` prints and writes as JSON.
+
+``--tune`` (a GPU only): for each kernel, times a small grid of its settings (Triton's warps
+and pipeline stages; attention's pages per loop iteration and the grid size its context split
+aims at: ``TUNE_GRID``) at a few engine-like points, checks every result (attention against
+the oracle, migration bit for bit), and records the fastest for this GPU model
+(``jspec.kernels.gpu_lowering.record``) in the file the engine's kernels read their settings
+from. A setting's score is the geometric mean over the points of its time over the defaults'
+time, so each point counts alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 
 ATTN_SHAPE = dict(num_heads=14, kv_heads=2, head_dim=64)
+# what --tune tries: each kernel's defaults first, then every combination of these
+TUNE_GRID = {
+    "attention": {"num_warps": (4, 8), "num_stages": (2, 3), "pages_per_iter": (4, 8, 16),
+                  "programs": (128, 256, 512)},
+    "migration": {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3)},
+}
+# (batch, new tokens per sequence) of --tune's attention points, at the longest --contexts:
+# a lone decode (where the context split matters), a batch of decodes, γ = 4 verifications
+TUNE_POINTS = ((1, 1), (32, 1), (32, 5))
+TUNE_TOL = {"bfloat16": 2e-2, "float32": 1e-4}  # attention's max |error| against the oracle
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the kernels in Pallas interpret mode (harness check)")
     parser.add_argument("--small", action="store_true", help="tiny grid: a smoke run")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--tune", action="store_true",
+                        help="on a GPU: time a small grid of each kernel's settings (Triton "
+                             "warps and stages, attention's pages per iteration and split "
+                             "target) and record the fastest for this GPU model in the tuning "
+                             "file, which the engine's kernels then use")
+    parser.add_argument("--tuning-file", metavar="FILE",
+                        help="where --tune records (default: $JSPEC_KERNEL_TUNING, else "
+                             "~/.cache/jspec/kernel_tuning.json, which is where the engine "
+                             "reads; another file is read only through $JSPEC_KERNEL_TUNING)")
 
 
 def _best(fn, repeats: int) -> float:
@@ -141,7 +170,7 @@ def _migration_is_exact(fn, k, v, pairs, padded) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    results = measure(args)
+    results = tune(args) if args.tune else measure(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -158,6 +187,7 @@ def measure(args: argparse.Namespace) -> dict:
     from tqdm.auto import tqdm
 
     from jspec.kernels import backend as kb
+    from jspec.kernels import gpu_lowering
     from jspec.kernels.gpu_lowering import KernelShape
     from jspec.kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -183,6 +213,11 @@ def measure(args: argparse.Namespace) -> dict:
         print("  (no GPU kernel here: " + ("the reference and the interpreted kernel (not a "
                                             "performance number) are timed)" if args.interpret
                                             else "only the reference is timed)"))
+    # the settings the GPU kernels run with: tuned for this GPU model (--tune) or the defaults
+    settings = {kernel: gpu_lowering.settings(kernel) for kernel in gpu_lowering.KERNELS
+                if getattr(resolved, kernel) == "pallas"}
+    for kernel, values in settings.items():
+        print(f"  {kernel} settings: {json.dumps(values, sort_keys=True)}")
     copy_mib = 8 if args.small else 256
     peak = copy_bandwidth(copy_mib << 20, args.repeats)
     print(f"device copy bandwidth: {peak / 1e9:.1f} GB/s (read + write of a {copy_mib} MiB "
@@ -190,7 +225,8 @@ def measure(args: argparse.Namespace) -> dict:
 
     points = attention_points(args)
     results = {"platform": kb.platform(), "backend": str(resolved), "dtype": args.dtype,
-               "copy_bandwidth_gbps": peak / 1e9, "attention": [], "migration": []}
+               "settings": settings, "copy_bandwidth_gbps": peak / 1e9, "attention": [],
+               "migration": []}
     scale = ATTN_SHAPE["head_dim"] ** -0.5
     oracle = jax.jit(lambda qa, k, v, md: ragged_paged_attention_reference(qa, k, v, 0, md,
                                                                            sm_scale=scale))
@@ -199,7 +235,9 @@ def measure(args: argparse.Namespace) -> dict:
         expected = np.asarray(oracle(qa, k, v, md), np.float32)
         row = {"batch": b, "q_len": q, "context": c, "kv_bytes": kv_bytes}
         for name, fn in impls.items():
-            f = jax.jit(lambda qa, k, v, md, fn=fn: fn(qa, k, v, 0, md, sm_scale=scale))
+            # bounded as the engine bounds a decode-only step (one query tile per sequence)
+            f = jax.jit(lambda qa, k, v, md, fn=fn, q=q: fn(qa, k, v, 0, md, sm_scale=scale,
+                                                            max_q_len=q))
             seconds = _best(lambda: f(qa, k, v, md), args.repeats)
             err = np.abs(np.asarray(f(qa, k, v, md), np.float32) - expected).max()
             row[name] = {"ms": seconds * 1e3, "gbps": kv_bytes / seconds / 1e9,
@@ -249,4 +287,166 @@ def measure(args: argparse.Namespace) -> dict:
         cells = "".join(f" {row[n]['ms']:>9.3f} |{row[n]['gbps']:>7.1f} |{row[n]['roofline']:>6.0%}"
                         f" |{'yes' if row[n]['exact'] else 'NO':>4}" for n in names)
         print(f"  {row['blocks']:>6}{cells}")
+    return results
+
+
+# ----------------------------------------------------------------------------- --tune
+def candidates(kernel: str, grid: dict | None = None) -> list[dict]:
+    """``kernel``'s settings to try: its defaults, then every combination of ``grid`` (default
+    ``TUNE_GRID[kernel]``) over them."""
+    from jspec.kernels import gpu_lowering
+
+    grid = TUNE_GRID[kernel] if grid is None else grid
+    default = dict(gpu_lowering.DEFAULTS[kernel])
+    out = [default]
+    for combo in itertools.product(*grid.values()):
+        values = {**default, **dict(zip(grid, combo))}
+        if values not in out:
+            out.append(values)
+    return out
+
+
+def pick(settings: list[dict], measure) -> tuple[dict, list[dict]]:
+    """The fastest of ``settings`` (the first is the baseline) and a row per setting.
+
+    ``measure(values)`` returns the seconds of each point, or raises when the setting does not
+    compile, run or give the right result there (the row then says why). Score: the geometric
+    mean over the points of the time over the baseline's; the baseline must succeed."""
+    rows = []
+    for values in settings:
+        try:
+            seconds = [float(t) for t in measure(values)]
+            rows.append({"settings": values, "seconds": seconds, "error": None})
+        except Exception as e:  # noqa: BLE001 - a setting that fails is reported, not fatal
+            rows.append({"settings": values, "seconds": None,
+                         "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                         if str(e).strip() else type(e).__name__})
+    base = rows[0]["seconds"]
+    if base is None:
+        raise RuntimeError(f"the default settings {rows[0]['settings']} fail: {rows[0]['error']}")
+    for row in rows:
+        if row["seconds"] is not None:
+            row["score"] = math.exp(sum(math.log(t / b) for t, b in zip(row["seconds"], base))
+                                    / len(base))
+    best = min((r for r in rows if r["seconds"] is not None), key=lambda r: r["score"])
+    return best["settings"], rows
+
+
+def _attention_measure(args, dtype, interpret: bool):
+    """``measure`` for attention: each point timed and checked against the per-token oracle."""
+    import jax
+    import numpy as np
+
+    from jspec.kernels import gpu_lowering
+    from jspec.kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+    context = max(args.contexts)
+    points = ([(1, 1), (2, 4)] if args.small else TUNE_POINTS)
+    scale = ATTN_SHAPE["head_dim"] ** -0.5
+    cases, expected = [], []
+    for b, q in points:
+        qa, k, v, md, _ = attention_case(b, min(q, context), context, args.block_size, dtype)
+        cases.append((qa, k, v, md, min(q, context)))
+        expected.append(np.asarray(ragged_paged_attention_reference(
+            qa, k, v, 0, md, sm_scale=scale), np.float32))
+    tol = TUNE_TOL[args.dtype]
+
+    def measure(values):
+        kernel = gpu_lowering.attention(values)
+        seconds = []
+        for (qa, k, v, md, q), ref in zip(cases, expected):
+            f = jax.jit(lambda qa, k, v, md, q=q: kernel(qa, k, v, 0, md, sm_scale=scale,
+                                                         max_q_len=q, interpret=interpret))
+            err = float(np.abs(np.asarray(f(qa, k, v, md), np.float32) - ref).max())
+            if not err <= tol:
+                raise ValueError(f"max |error| {err:.2e} against the oracle (B={len(md.kv_lens)}"
+                                 f", q={q}) exceeds {tol:.0e}")
+            seconds.append(_best(lambda: f(qa, k, v, md), args.repeats))
+        return seconds
+
+    return measure, [f"B={b} q={q} ctx={context}" for b, q in points]
+
+
+def _migration_measure(args, dtype, interpret: bool):
+    """``measure`` for migration: one launch of the largest --migrate-blocks, checked bit for
+    bit against a numpy copy."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.kernels import gpu_lowering, kv_migration
+
+    blocks = max(args.migrate_blocks)
+    k0, v0, plan, pairs = migration_case(args.layers, blocks, args.block_size, dtype)
+
+    def measure(values):
+        if interpret:
+            fn = jax.jit(functools.partial(
+                kv_migration.migrate_blocks_kernel, interpret=True,
+                compiler_params=gpu_lowering.compiler_params("migration", values)),
+                donate_argnums=(0, 1))
+        else:
+            fn = gpu_lowering.migration(values)
+        if not _migration_is_exact(fn, k0, v0, plan, pairs):
+            raise ValueError("the moved blocks differ from a numpy copy")
+        state = {"k": jnp.zeros(k0.shape, dtype), "v": jnp.ones(v0.shape, dtype)}
+
+        def call():
+            state["k"], state["v"] = fn(state["k"], state["v"], pairs)
+            return state["k"]
+
+        return [_best(call, args.repeats)]
+
+    return measure, [f"{blocks} blocks x {args.layers} layers"]
+
+
+def tune(args: argparse.Namespace, device: str | None = None, interpret: bool = False,
+         grid: dict | None = None) -> dict:
+    """``--tune``: pick and record each kernel's settings for this GPU model; returns what it
+    measured. ``device``, ``interpret`` and ``grid`` (per kernel) are for checking this
+    harness on CPU: the kernels interpreted, timings meaningless, the record under a made-up
+    GPU model."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.kernels import backend as kb
+    from jspec.kernels import gpu_lowering
+
+    if not interpret:
+        plat = kb.platform()
+        if plat != "gpu":
+            raise ValueError(f"--tune needs a GPU: it times the Pallas kernels as Triton compiles "
+                             f"them for the GPU whose settings it records, and JAX runs on "
+                             f"{plat.upper()} here")
+        device = gpu_lowering.device_name()
+    if device is None:
+        raise ValueError("--tune: no GPU model to record the settings under")
+    if args.small:
+        args.contexts, args.migrate_blocks, args.layers, args.repeats = [64], [4], 2, 1
+    dtype = jnp.dtype(args.dtype)
+    path = gpu_lowering.tuning_path() if args.tuning_file is None else args.tuning_file
+    results = {"device": device, "dtype": args.dtype, "jax": jax.__version__,
+               "tuning_file": str(path)}
+    makers = {"attention": _attention_measure, "migration": _migration_measure}
+    print(f"jspec bench kernels --tune: {device}, jax {jax.__version__}, {args.dtype}")
+    for kernel in gpu_lowering.KERNELS:
+        measure, points = makers[kernel](args, dtype, interpret)
+        settings = candidates(kernel, None if grid is None else grid[kernel])
+        best, rows = pick(settings, measure)
+        print(f"\n{kernel}: {len(settings)} settings at {'; '.join(points)} (ms per point, "
+              "score: geometric mean of time over the defaults')")
+        for row in sorted(rows, key=lambda r: r.get("score", math.inf)):
+            cells = ("  ".join(f"{t * 1e3:8.3f}" for t in row["seconds"])
+                     + f"  score {row['score']:.3f}" if row["seconds"] is not None
+                     else f"failed: {row['error']}")
+            print(f"  {json.dumps(row['settings'], sort_keys=True)}  {cells}")
+        chosen = next(r for r in rows if r["settings"] == best)
+        gpu_lowering.record(device, kernel, best, path, points=points,
+                            seconds=chosen["seconds"], default_seconds=rows[0]["seconds"],
+                            dtype=args.dtype, jax=jax.__version__)
+        print(f"  best: {json.dumps(best, sort_keys=True)} ({chosen['score']:.3f} of the "
+              f"defaults' time), recorded in {path}")
+        results[kernel] = {"best": best, "points": points, "rows": rows}
+    gpu_lowering.settings.cache_clear()  # this process now runs the recorded settings too
     return results
