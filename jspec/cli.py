@@ -14,6 +14,9 @@ COMMANDS = {
     "distill": ("jspec.cli_train", "distil a draft model from a trained target"),
     "profile": ("jspec.cli_profile", "measure a model pair's step times for cost-aware policies"),
     "serve": ("jspec.cli_serve", "OpenAI-compatible HTTP server (needs the serve extra)"),
+    "validate-gpu": ("jspec.validate_gpu", "check a GPU machine: compiled kernel tests, kernel "
+                     "benchmark, greedy output Pallas vs reference, serving sweep; JSON and "
+                     "markdown report"),
 }
 
 # `jspec bench NAME`: each module defines `add_arguments(parser)` and `run(args) -> int`.

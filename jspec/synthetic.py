@@ -168,10 +168,28 @@ QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_la
 QWEN25_05B_DRAFT = dict(QWEN25_05B, hidden_size=320, num_layers=6, num_heads=5, num_kv_heads=1,
                         intermediate_size=1024)
 
+# Qwen2.5-7B drafted by Qwen2.5-0.5B, the pair a GPU serves (`jspec validate-gpu`). The draft's
+# embedding takes the 7B's 152064 rows (the real 0.5B pads its vocabulary to 151936): the engine
+# wants one vocabulary size, and 128 more rows of the output head change nothing measurable.
+QWEN25_7B = dict(QWEN25_05B, vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+                 num_kv_heads=4, head_dim=128, intermediate_size=18944, tie_word_embeddings=False)
+QWEN25_7B_DRAFT = dict(QWEN25_05B, vocab_size=152064)
+# a stand-in that runs anywhere in seconds (the built-in tokenizer's 4096 tokens): for smoke runs
+# of the harnesses on a CPU, not for numbers
+TINY = dict(model_type="llama", vocab_size=4096, hidden_size=64, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=1024)
+TINY_DRAFT = dict(TINY, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                  intermediate_size=64)
+QWEN_EOS = (151643, 151645)
+
 # name -> (target config, draft config); the engine caps max_model_len at 4096 by default
 SHAPES: dict[str, tuple[ModelConfig, ModelConfig]] = {
-    "qwen2.5-0.5b": (ModelConfig(**QWEN25_05B, eos_token_ids=(151643, 151645)),
-                     ModelConfig(**QWEN25_05B_DRAFT, eos_token_ids=(151643, 151645))),
+    "qwen2.5-0.5b": (ModelConfig(**QWEN25_05B, eos_token_ids=QWEN_EOS),
+                     ModelConfig(**QWEN25_05B_DRAFT, eos_token_ids=QWEN_EOS)),
+    "qwen2.5-7b": (ModelConfig(**QWEN25_7B, eos_token_ids=QWEN_EOS),
+                   ModelConfig(**QWEN25_7B_DRAFT, eos_token_ids=QWEN_EOS)),
+    "tiny": (ModelConfig(**TINY, eos_token_ids=(2, 4)),
+             ModelConfig(**TINY_DRAFT, eos_token_ids=(2, 4))),
 }
 
 _PARAMS: dict[tuple[str, str, str], dict] = {}

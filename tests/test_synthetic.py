@@ -116,6 +116,11 @@ def test_shapes_are_real_shapes():
     target, draft = SHAPES["qwen2.5-0.5b"]
     assert 0.45e9 < target.num_params() < 0.55e9
     assert draft.vocab_size == target.vocab_size and draft.num_params() < target.num_params() / 8
+    # Qwen2.5-7B (7.62B parameters) drafted by Qwen2.5-0.5B's shape on the 7B's vocabulary
+    target, draft = SHAPES["qwen2.5-7b"]
+    assert 7.5e9 < target.num_params() < 7.7e9 and (target.num_heads, target.num_kv_heads,
+                                                    target.head_dim) == (28, 4, 128)
+    assert draft.vocab_size == target.vocab_size and 0.45e9 < draft.num_params() < 0.55e9
 
 
 def test_serving_bench_labels_synthetic_runs(tiny_pair, tmp_path, capsys):

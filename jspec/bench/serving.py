@@ -156,7 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     syn = p.add_argument_group("cost-realistic synthetic mode (jspec/synthetic.py)")
     syn.add_argument("--synthetic", metavar="SHAPE", default=None,
-                     help="random-weight target and draft of this real shape (qwen2.5-0.5b) "
+                     help="random-weight target and draft of this real shape (qwen2.5-0.5b, "
+                          "qwen2.5-7b with a 0.5b draft; tiny: a smoke-test stand-in) "
                           "with synthetic acceptance; results are labelled SYNTHETIC")
     syn.add_argument("--synthetic-acceptance", metavar="SPEC", default=None,
                      help="acceptance model: a rate (0.8), per-position rates (0.9,0.8,...), "
@@ -913,6 +914,23 @@ def _device() -> dict:
             "count": jax.device_count()}
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options every policy's engine shares, from the command line."""
+    # no benchmark request asks for logprobs: none compiled (max_logprobs=0)
+    engine_kwargs = {"num_speculative_tokens": args.num_speculative_tokens, "dtype": args.dtype,
+                     "max_num_seqs": args.max_num_seqs,
+                     "synthetic_acceptance": args.synthetic_acceptance, "max_logprobs": 0}
+    for name in ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                 "min_token_bucket", "kv_cache_memory_bytes", "tensor_parallel_size"):
+        if getattr(args, name) is not None:
+            engine_kwargs[name] = getattr(args, name)
+    # (--prefix-caching both: the runs without it override this in their "engine" options)
+    engine_kwargs["enable_prefix_caching"] = args.prefix_caching != "off"
+    engine_kwargs["async_scheduling"] = args.async_scheduling != "off"  # (likewise)
+    engine_kwargs["deterministic"] = args.deterministic != "off"  # (likewise)
+    return engine_kwargs
+
+
 def run(args: argparse.Namespace) -> int:
     # -- everything checkable without models, before loading anything
     if (args.target is None) != (args.draft is None):
@@ -979,18 +997,7 @@ def run(args: argparse.Namespace) -> int:
     args.bin_seconds_resolved = args.bin_seconds or nice_bin(span * (turns if multiturn else 1))
 
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    # no benchmark request asks for logprobs: none compiled (max_logprobs=0)
-    engine_kwargs = {"num_speculative_tokens": args.num_speculative_tokens, "dtype": args.dtype,
-                     "max_num_seqs": args.max_num_seqs,
-                     "synthetic_acceptance": args.synthetic_acceptance, "max_logprobs": 0}
-    for name in ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                 "min_token_bucket", "kv_cache_memory_bytes", "tensor_parallel_size"):
-        if getattr(args, name) is not None:
-            engine_kwargs[name] = getattr(args, name)
-    # (--prefix-caching both: the runs without it override this in their "engine" options)
-    engine_kwargs["enable_prefix_caching"] = args.prefix_caching != "off"
-    engine_kwargs["async_scheduling"] = args.async_scheduling != "off"  # (likewise)
-    engine_kwargs["deterministic"] = args.deterministic != "off"  # (likewise)
+    engine_kwargs = engine_options(args)
     if multiturn and arrivals.context_tokens is not None:
         print("note: --workload multiturn takes only the trace's times (conversation starts), "
               "not its token counts", file=sys.stderr)
