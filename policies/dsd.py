@@ -105,15 +105,21 @@ class DSDPolicy(Policy):
         width w = n·(γ + 1), plus γ draft forwards at their measured cost (the profile's until a
         draft has run). A prefill chunk in the step costs the same whatever γ; counted in T it
         would dilute speculation's cost and favour it exactly when the chunk is large."""
+        return self._times(view, view.num_decode * (gammas + 1), gammas, gammas)
+
+    def _times(self, view: BatchView, width, forwards, profile_gammas):
+        """The step's time with a target forward ``width`` tokens wide and ``forwards`` draft
+        forwards (the run's linear model once fitted), else the profile's at
+        ``profile_gammas``."""
         batch = max(view.batch_size, view.num_decode, 1)
         ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
-        target = self._time.target(view.num_decode * (gammas + 1)) if self.measured else None
+        target = self._time.target(width) if self.measured else None
         if target is None:
-            return self.step_profile.step_times(batch, gammas, ctx)
+            return self.step_profile.step_times(batch, profile_gammas, ctx)
         per_forward = self._time.draft_forward()
         if per_forward is None:
             per_forward = self.step_profile.draft_step(batch, ctx)
-        return target + gammas * per_forward
+        return target + forwards * per_forward
 
     @property
     def can_predict(self) -> bool:
@@ -126,17 +132,9 @@ class DSDPolicy(Policy):
         draft. The profile, measured at uniform γ, is read at the plan's mean γ."""
         gammas = np.asarray(gammas, np.int64)
         tokens = float(expected_tokens(self.planning_alpha, gammas).sum())
-        forwards = int(gammas.max(initial=0))
-        target = self._time.target(int((gammas + 1).sum())) if self.measured else None
-        if target is None:
-            mean = np.array([float(gammas.mean()) if gammas.size else 0.0])
-            return tokens / float(self.step_times(view, mean)[0])
-        per_forward = self._time.draft_forward()
-        if per_forward is None:
-            ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
-            per_forward = self.step_profile.draft_step(max(view.batch_size, view.num_decode, 1),
-                                                       ctx)
-        return tokens / (float(target) + forwards * per_forward)
+        mean = float(gammas.mean()) if gammas.size else 0.0
+        seconds = self._times(view, int((gammas + 1).sum()), int(gammas.max(initial=0)), mean)
+        return tokens / float(seconds)
 
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode

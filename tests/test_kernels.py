@@ -125,12 +125,11 @@ def _make_inputs(name, q_lens, kv_lens, seed):
     return q, k, v, md, int(cu[-1])
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_attention_kernel_matches_reference(name):
-    kernel, ref = _fns(name)
+def _check_ragged_batches(name, kernel, ref, max_examples):
+    """``kernel`` against ``ref`` on ``max_examples`` ragged batches of case ``name``."""
     dtype = CASES[name][5]
 
-    @settings(max_examples=10, deadline=None, derandomize=True,
+    @settings(max_examples=max_examples, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(ragged_batches(name))
     def check(batch):
@@ -141,6 +140,12 @@ def test_attention_kernel_matches_reference(name):
         np.testing.assert_allclose(out, expect, atol=TOL[dtype], rtol=0)
 
     check()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_kernel_matches_reference(name):
+    kernel, ref = _fns(name)
+    _check_ragged_batches(name, kernel, ref, max_examples=10)
 
 
 def test_attention_kernel_decode_verify_and_prefill_in_one_launch():
@@ -402,21 +407,8 @@ def _kernel_with(name, setting):
 def test_attention_kernel_settings_match_reference(name, setting):
     """Ragged batches (decode, verification, prefill chunks, padding rows) with the context
     split over programs and merged, several pages per iteration, the invariant mode."""
-    kernel = _kernel_with(name, setting)
     _, ref = _fns(name)
-    dtype = CASES[name][5]
-
-    @settings(max_examples=4, deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(ragged_batches(name))
-    def check(batch):
-        q, k, v, md, live = _make_inputs(name, *batch)
-        layer = jnp.asarray(1, jnp.int32)
-        out = np.asarray(kernel(q, k, v, layer, md).astype(jnp.float32))[:live]
-        expect = np.asarray(ref(q, k, v, layer, md).astype(jnp.float32))[:live]
-        np.testing.assert_allclose(out, expect, atol=TOL[dtype], rtol=0)
-
-    check()
+    _check_ragged_batches(name, _kernel_with(name, setting), ref, max_examples=4)
 
 
 def test_batch_invariant_kernel_gives_a_token_the_same_bits_alone_or_in_a_batch():
