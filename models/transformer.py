@@ -22,6 +22,7 @@ from jspec.models import sharding
 from jspec.models.config import ModelConfig
 from jspec.kernels import segments
 from jspec.kernels.batch_invariance import pad_rows
+from jspec.kernels.precision import dot_precision
 from jspec.kernels.pytree import array_dataclass
 from jspec.kernels.ragged_paged_attention import (
     AttentionMetadata,
@@ -133,8 +134,9 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
     num_tokens = x.shape[0]
     dtype = x.dtype
     q_size, kv_size = cfg.q_size, cfg.kv_size
+    precision = dot_precision(dtype)  # float32 means IEEE float32 on a GPU too
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
+    qkv = jnp.dot(h, lp["wqkv"], precision=precision, preferred_element_type=jnp.float32)
     if cfg.qkv_bias:
         qkv = qkv + lp["bqkv"].astype(jnp.float32)
     qkv = qkv.astype(dtype)
@@ -142,16 +144,18 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
     k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-    o = jnp.dot(attn.reshape(num_tokens, q_size), lp["wo"], preferred_element_type=jnp.float32)
+    o = jnp.dot(attn.reshape(num_tokens, q_size), lp["wo"], precision=precision,
+                preferred_element_type=jnp.float32)
     if reduce is not None:
         o = reduce(o)
     if cfg.o_bias:
         o = o + lp["bo"].astype(jnp.float32)
     x = x + o.astype(dtype)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
+    gate_up = jnp.dot(h, lp["w_gate_up"], precision=precision,
+                      preferred_element_type=jnp.float32)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    down = jnp.dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"],
+    down = jnp.dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"], precision=precision,
                    preferred_element_type=jnp.float32)
     if reduce is not None:
         down = reduce(down)
@@ -161,7 +165,9 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
 def lm_head(params: dict, hidden: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Final norm and output projection: (logits float32, normed hidden)."""
     hidden = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32), hidden
+    logits = jnp.dot(hidden, params["lm_head"], precision=dot_precision(hidden.dtype),
+                     preferred_element_type=jnp.float32)
+    return logits, hidden
 
 
 # ----------------------------------------------------------------------------- forward
@@ -281,9 +287,10 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) 
         mask &= pos[None, :] > pos[:, None] - cfg.sliding_window
     k = jnp.repeat(k.astype(jnp.float32), group, axis=1)
     v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
-    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * cfg.head_dim ** -0.5
-    p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
-    return jnp.einsum("hqk,khd->qhd", p, v).astype(q.dtype)
+    highest = jax.lax.Precision.HIGHEST  # float32 operands: IEEE on a GPU too
+    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k, precision=highest)
+    p = jax.nn.softmax(jnp.where(mask[None], s * cfg.head_dim ** -0.5, -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", p, v, precision=highest).astype(q.dtype)
 
 
 def dense_forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig,

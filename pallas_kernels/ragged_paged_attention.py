@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jspec.kernels import segments as seg
 from jspec.kernels.batch_invariance import min_q_block
+from jspec.kernels.precision import dot_precision
 from jspec.kernels.pytree import array_dataclass
 
 _MASKED = -1e30  # finite, so fully masked chunks never produce inf - inf
@@ -107,6 +108,7 @@ def ragged_paged_attention_reference(
     token_seq = token_sequence_ids(md.cu_q_lens, num_tokens)
     q_pos = md.positions
     qf = q.reshape(num_tokens, kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    highest = dot_precision(jnp.float32)  # the oracle: IEEE float32 on a GPU too
 
     def body(c, carry):
         pages = jax.lax.dynamic_slice_in_dim(page_table, c * chunk_pages, chunk_pages, axis=1)
@@ -119,9 +121,9 @@ def ragged_paged_attention_reference(
         v = v.reshape(num_tokens, chunk, kv_heads, head_dim)
         mask = _causal_mask(c * chunk + jnp.arange(chunk, dtype=jnp.int32), q_pos,
                             sliding_window)[:, None, None, :]
-        s = jnp.einsum("tkgd,tckd->tkgc", qf, k.astype(jnp.float32))
+        s = jnp.einsum("tkgd,tckd->tkgc", qf, k.astype(jnp.float32), precision=highest)
         return _softmax_step(carry, s, mask, lambda p: jnp.einsum(
-            "tkgc,tckd->tkgd", p, v.astype(jnp.float32)))
+            "tkgc,tckd->tkgd", p, v.astype(jnp.float32), precision=highest))
 
     acc = _over_chunks(body, md, page_table, chunk_pages, chunk,
                        (num_tokens, kv_heads, group), head_dim)
@@ -245,6 +247,7 @@ def ragged_paged_attention_tiled(
     # the dots run in the pool's dtype with float32 accumulation, as the Pallas kernel's do (in
     # bf16 on CPU: 4-8% of a B >= 8 verify forward against widening K/V to float32 first)
     dtype = pool.dtype
+    precision = dot_precision(dtype)
     qf = (q.astype(jnp.float32)[q_idx] * sm_scale).astype(dtype)  # [tiles, qb, H, D]
     qf = qf.reshape(num_tiles, q_block, kv_heads, group, head_dim)
     tile_pages = page_table[tile_seq]  # [tiles, padded pages]
@@ -256,9 +259,11 @@ def ragged_paged_attention_tiled(
         v = seg.read_blocks(v_pool, pages, layer).reshape(num_tiles, chunk, kv_heads, head_dim)
         mask = _causal_mask(c * chunk + jnp.arange(chunk, dtype=jnp.int32), q_pos,
                             sliding_window)[:, :, None, None, :]  # [tiles, qb, 1, 1, chunk]
-        s = jnp.einsum("nqkgd,nckd->nqkgc", qf, k, preferred_element_type=jnp.float32)
+        s = jnp.einsum("nqkgd,nckd->nqkgc", qf, k, precision=precision,
+                       preferred_element_type=jnp.float32)
         return _softmax_step(carry, s, mask, lambda p: jnp.einsum(
-            "nqkgc,nckd->nqkgd", p.astype(dtype), v, preferred_element_type=jnp.float32))
+            "nqkgc,nckd->nqkgd", p.astype(dtype), v, precision=precision,
+            preferred_element_type=jnp.float32))
 
     out = _over_chunks(body, md, page_table, chunk_pages, chunk,
                        (num_tiles, q_block, kv_heads, group), head_dim)
@@ -465,8 +470,7 @@ def _rpa_kernel(tile_seq_ref, tile_q_start_ref, first_page_ref, end_page_ref, ch
     first, end = first_page_ref[tile], end_page_ref[tile]
     keys = pages_per_iter * block_size
     head_dim = q_ref.shape[-1]
-    # f32 pools: full-precision dots (a GPU would otherwise round the inputs to TF32, ~1e-3)
-    precision = jax.lax.Precision.HIGHEST if k_refs[0].dtype == jnp.float32 else None
+    precision = dot_precision(k_refs[0].dtype)
 
     def body(chunk, carry):
         m, l, acc = carry

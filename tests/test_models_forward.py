@@ -272,3 +272,37 @@ def test_random_ragged_schedules(case, data):
         for sid in list(h.lens):
             if h.lens[sid] >= h.capacity - 1 or data.draw(st.integers(0, 5), label="f") == 0:
                 h.finish(sid)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_dots_ask_for_ieee_products_and_bfloat16_dots_for_the_default(dtype):
+    """A GPU computes float32 dots in TF32 unless asked for HIGHEST: every dot of the model's
+    projections, output head and attention paths with float32 operands must ask (CPU ignores the
+    flag), and dots with bfloat16 operands keep the default (tensor cores)."""
+    from jspec.kernels.ragged_paged_attention import ragged_paged_attention_tiled
+
+    cfg = tiny_config("llama")
+    params = init_params(cfg, seed=0, dtype=jnp.dtype(dtype), std=TINY_INIT_STD)
+    tokens = jnp.arange(8, dtype=jnp.int32)
+    texts = [dense.lower(params, tokens, cfg=cfg).as_text()]
+    q = jnp.zeros((4, cfg.num_heads, cfg.head_dim), dtype)
+    pool = jnp.zeros((1, 3, 4, cfg.num_kv_heads, cfg.head_dim), dtype)
+    md = AttentionMetadata(positions=jnp.arange(4, dtype=jnp.int32),
+                           cu_q_lens=jnp.array([0, 4], jnp.int32),
+                           kv_lens=jnp.array([4], jnp.int32),
+                           page_table=jnp.array([[1, 2]], jnp.int32))
+    texts.append(jax.jit(lambda q, k, v, md: ragged_paged_attention_tiled(
+        q, k, v, 0, md, sm_scale=1.0, max_q_len=4)).lower(q, pool, pool, md).as_text())
+    dots = [line for text in texts for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) >= 8  # four projections and the head, the attention's two per path
+    for line in dots:
+        operands = line.rsplit(":", 1)[1].split("->")[0]
+        want = "DEFAULT" if "bf16" in operands else "HIGHEST"
+        assert f"precision = [{want}, {want}]" in line, line
+    if dtype == "bfloat16":  # the projections stay on the tensor cores
+        assert any("precision = [DEFAULT, DEFAULT]" in line for line in dots)
+    # the per-token reference is the oracle: float32 products whatever the pool holds
+    ref = jax.jit(lambda q, k, v, md: ragged_paged_attention_reference(
+        q, k, v, 0, md, sm_scale=1.0)).lower(q, pool, pool, md).as_text()
+    ref_dots = [line for line in ref.splitlines() if "dot_general" in line]
+    assert ref_dots and all("precision = [HIGHEST, HIGHEST]" in line for line in ref_dots)
