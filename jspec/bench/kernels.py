@@ -2,11 +2,13 @@
 
 Attention: for every (batch B, new tokens per sequence q, context length L) point, one layer of
 ragged paged attention (Qwen2.5-0.5B attention shape by default: 14 query heads, 2 kv heads, head
-dim 64, block 16) is timed for each implementation, and the bytes it must read from the KV pool
-(B x L x kv_heads x head_dim x 2 (K and V) x itemsize) divided by the time give an effective
-bandwidth, printed as a fraction of the machine's copy bandwidth measured in the same run (a
-jitted ``x + 1`` over a large array: read + write bytes / time). Decode and verification at long
-contexts should be bound by that read, which is the roofline the issue sets (>= 60%).
+dim 64, block 16) is timed for each implementation, per call, in a jitted loop of calls over the
+layers of a small pool as a forward makes them (``layer_loop``). The bytes one call must read
+from the KV pool (B x L x kv_heads x head_dim x 2 (K and V) x itemsize) divided by its time give
+an effective bandwidth, printed as a fraction of the machine's copy bandwidth measured in the
+same run (``x + 1`` over a large array in a jitted loop: read + write bytes / time). Decode and
+verification at long contexts should be bound by that read, which is the roofline the issue
+sets (>= 60%).
 
 Migration: one launch moving N blocks of every layer (K and V) against a plain device copy of
 the same bytes (``pool[:, dst] = pool[:, src]`` via XLA gather/scatter is the reference; the
@@ -49,6 +51,10 @@ TUNE_GRID = {
 # a lone decode (where the context split matters), a batch of decodes, γ = 4 verifications
 TUNE_POINTS = ((1, 1), (32, 1), (32, 5))
 TUNE_TOL = {"bfloat16": 2e-2, "float32": 1e-4}  # attention's max |error| against the oracle
+# Attention is timed as a forward runs it: LOOP_CALLS calls in one jitted loop over the layers
+# of a LOOP_LAYERS-layer pool. Timed alone, one call on a GPU measures its dispatch (tens of
+# microseconds, more than a decode layer's kernel takes).
+LOOP_LAYERS, LOOP_CALLS = 4, 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,19 +98,35 @@ def _best(fn, repeats: int) -> float:
 
 
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:
-    """Device copy bandwidth (bytes read + written per second) of a jitted ``x + 1``."""
+    """Device copy bandwidth (bytes read + written per second) of ``x + 1``, LOOP_CALLS times
+    in one jitted loop."""
     import jax
     import jax.numpy as jnp
 
     n = max(1, num_bytes // 4)
     x = jax.jit(lambda: jnp.ones((n,), jnp.float32))()
-    f = jax.jit(lambda a: a + 1)
-    return 2 * 4 * n / _best(lambda: f(x), repeats)
+    f = jax.jit(lambda a: jax.lax.fori_loop(0, LOOP_CALLS, lambda i, b: b + 1, a))
+    return LOOP_CALLS * 2 * 4 * n / _best(lambda: f(x), repeats)
 
 
-def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype, seed: int = 0):
-    """Inputs for one layer: B sequences each with ``context`` tokens of which the last
-    ``q_len`` are new (their K/V already in the pool), shuffled physical pages."""
+def layer_loop(call):
+    """jitted ``(q, k, v, md) ->`` the sum of LOOP_CALLS calls ``call(q, k, v, layer, md)``
+    over the layers of a LOOP_LAYERS-layer pool (a traced layer index, as in a forward)."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(qa, k, v, md):
+        def body(i, acc):
+            return acc + call(qa, k, v, i % LOOP_LAYERS, md).astype(jnp.float32)
+        return jax.lax.fori_loop(0, LOOP_CALLS, body, jnp.zeros(qa.shape, jnp.float32))
+    return jax.jit(run)
+
+
+def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype, seed: int = 0,
+                   layers: int = LOOP_LAYERS):
+    """Inputs for ``layers`` layers: B sequences each with ``context`` tokens of which the last
+    ``q_len`` are new (their K/V already in the pool), shuffled physical pages; ``kv_bytes`` is
+    what one layer's attention reads."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -121,7 +143,7 @@ def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype,
         cu_q_lens=jnp.asarray(np.arange(batch + 1) * q_len, jnp.int32),
         kv_lens=jnp.full((batch,), context, jnp.int32),
         page_table=jnp.asarray(table))
-    shape = (1, num_blocks, block_size, kvh, d)
+    shape = (layers, num_blocks, block_size, kvh, d)
     q = jnp.asarray(rng.normal(size=(tokens, h, d)), dtype)
     k = jnp.asarray(rng.normal(size=shape), dtype)
     v = jnp.asarray(rng.normal(size=shape), dtype)
@@ -236,10 +258,13 @@ def measure(args: argparse.Namespace) -> dict:
         row = {"batch": b, "q_len": q, "context": c, "kv_bytes": kv_bytes}
         for name, fn in impls.items():
             # bounded as the engine bounds a decode-only step (one query tile per sequence)
-            f = jax.jit(lambda qa, k, v, md, fn=fn, q=q: fn(qa, k, v, 0, md, sm_scale=scale,
-                                                            max_q_len=q))
-            seconds = _best(lambda: f(qa, k, v, md), args.repeats)
-            err = np.abs(np.asarray(f(qa, k, v, md), np.float32) - expected).max()
+            def call(qa, k, v, layer, md, fn=fn, q=q):
+                return fn(qa, k, v, layer, md, sm_scale=scale, max_q_len=q)
+
+            loop = layer_loop(call)
+            seconds = _best(lambda: loop(qa, k, v, md), args.repeats) / LOOP_CALLS
+            err = np.abs(np.asarray(jax.jit(call)(qa, k, v, 0, md), np.float32)
+                         - expected).max()
             row[name] = {"ms": seconds * 1e3, "gbps": kv_bytes / seconds / 1e9,
                          "roofline": kv_bytes / seconds / peak, "max_abs_err": float(err)}
         results["attention"].append(row)
@@ -355,13 +380,17 @@ def _attention_measure(args, dtype, interpret: bool):
         kernel = gpu_lowering.attention(values)
         seconds = []
         for (qa, k, v, md, q), ref in zip(cases, expected):
-            f = jax.jit(lambda qa, k, v, md, q=q: kernel(qa, k, v, 0, md, sm_scale=scale,
-                                                         max_q_len=q, interpret=interpret))
-            err = float(np.abs(np.asarray(f(qa, k, v, md), np.float32) - ref).max())
+            def call(qa, k, v, layer, md, q=q):
+                return kernel(qa, k, v, layer, md, sm_scale=scale, max_q_len=q,
+                              interpret=interpret)
+
+            err = float(np.abs(np.asarray(jax.jit(call)(qa, k, v, 0, md), np.float32)
+                               - ref).max())
             if not err <= tol:
                 raise ValueError(f"max |error| {err:.2e} against the oracle (B={len(md.kv_lens)}"
                                  f", q={q}) exceeds {tol:.0e}")
-            seconds.append(_best(lambda: f(qa, k, v, md), args.repeats))
+            loop = layer_loop(call)
+            seconds.append(_best(lambda: loop(qa, k, v, md), args.repeats) / LOOP_CALLS)
         return seconds
 
     return measure, [f"B={b} q={q} ctx={context}" for b, q in points]
