@@ -247,8 +247,10 @@ class LLMEngine:
         self.policy.load_state_dict(saved["state"])
 
     # ------------------------------------------------------------------ requests
-    def warmup(self, progress=None) -> int:
-        return self.runner.warmup(progress)
+    def warmup(self, progress=None, max_rows: int | None = None) -> int:
+        """Compile every shape the engine can reach (``max_rows``: only the decode-only steps
+        that steps of at most that many sequences use); returns how many."""
+        return self.runner.warmup(progress, max_rows)
 
     def ensure_profile(self) -> None:
         """Hand a policy that reasons from a step-time profile (``needs_profile``) and was given

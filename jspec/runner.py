@@ -772,9 +772,10 @@ class ModelRunner:
         return self.draft_resident
 
     # ------------------------------------------------------------------ warm-up
-    def bucket_plan(self) -> list[tuple]:
+    def bucket_plan(self, max_rows: int | None = None) -> list[tuple]:
         """Every (kind, shape...) the engine can reach (``EngineConfig`` and
-        ``ResolvedConfig.verify_tokens`` say why the shapes are these).
+        ``ResolvedConfig.verify_tokens`` say why the shapes are these); with ``max_rows``, only
+        the decode-only steps of row buckets that steps of at most that many sequences use.
 
         Decode-only steps: per (row bucket s, γ bucket g) one verify-and-sample of s * (1 + g)
         tokens, the draft loop (g > 0) and the policy's signals if it reads any. Steps that
@@ -788,8 +789,11 @@ class ModelRunner:
         drafting = [g for g in self.gamma_buckets if g > 0] if self.chains else []
         gammas = [0] + drafting
         widest = rc.seq_buckets[-1]
+        rows = rc.seq_buckets
+        if max_rows is not None:
+            rows = [b for b in rows if b <= rc.seq_bucket(max_rows)]
         plan = []
-        for s in rc.seq_buckets:
+        for s in rows:
             plan += [("verify_accept", s, g) for g in gammas]
             plan += [("draft", s, g, m) for g in drafting for m in self.drafters]
             plan += [("intermediate", s, g, m) for g in drafting for m in self.intermediates]
@@ -814,8 +818,9 @@ class ModelRunner:
             plan += [("migrate", False)]
         return list(dict.fromkeys(plan))  # a decode shape may equal a prefill one
 
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
-        plan = self.bucket_plan()
+    def warmup(self, progress: Callable[[int, int], None] | None = None,
+               max_rows: int | None = None) -> int:
+        plan = self.bucket_plan(max_rows)
         for i, item in enumerate(plan):
             kind, *shape = item
             getattr(self, f"{kind}_executable")(*shape)

@@ -190,6 +190,22 @@ def test_warmup_progress_can_be_disabled(tiny_pair, tiny_llm, capsys):
     assert counts[0] == n == sum(counts[1:])
 
 
+def test_a_warmup_bounded_by_rows_compiles_the_narrow_decode_steps_and_every_other_shape(
+        tiny_llm):
+    """``warmup(max_rows=n)`` (the GPU serving sweep's, per concurrency level) keeps every shape
+    a step of at most n sequences can take: the decode-only steps of the row buckets up to n's,
+    and every prefill, sampling and catch-up shape (those run at the widest row bucket)."""
+    runner = tiny_llm.engine.runner
+    rc = runner.rc
+    full = runner.bucket_plan()
+    narrow = runner.bucket_plan(max_rows=1)
+    decode = {"verify_accept", "draft", "intermediate", "signals", "logprobs"}
+    assert len(rc.seq_buckets) > 1 and set(narrow) < set(full)
+    assert {item for item in full if item[0] not in decode} <= set(narrow)
+    assert {item[1] for item in narrow if item[0] in decode} == {rc.seq_bucket(1)}
+    assert runner.bucket_plan(max_rows=rc.engine.max_num_seqs) == full
+
+
 def test_chat_applies_the_template(tiny_llm):
     from jspec.models.loader import apply_chat_template
 

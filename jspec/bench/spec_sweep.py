@@ -5,9 +5,11 @@ machinery of `jspec bench serving`.
 
 Each concurrency level B is a batch of B requests sent at once (``--arrivals batch``), so the
 engine runs about B sequences per step until they finish. Every policy serves the same requests
-at a level, each on its own engine, kept for the whole sweep. At each level a policy runs twice:
-first unmeasured, which compiles the shapes the level reaches (a full warm-up would compile
-every bucket up to the widest level, most of which the sweep never uses), then measured.
+at a level, each on its own engine, kept for the whole sweep. At each level an engine first
+compiles every shape a step of at most that many sequences can take (a full warm-up would compile
+every bucket up to the widest level, most of which the sweep never uses; one unmeasured pass
+alone misses the shapes that only another draw of acceptances reaches), serves the requests once
+unmeasured, then measured.
 Speculation pays at a level when the best fixed γ's output throughput beats plain decoding's;
 the verdict names the level from which on it no longer does.
 """
@@ -115,7 +117,8 @@ def run(sweep: Sweep, deadline: float | None = None,
             requests = level_requests(args, prompts, engine.tokenizer,
                                       args.context_limit_resolved, level)
             start = time.perf_counter()
-            serving.run_policy(policy, args, options, requests, engine=engine)  # compiles
+            engine.warmup(max_rows=level)
+            serving.run_policy(policy, args, options, requests, engine=engine)
             compile_pass = time.perf_counter() - start
             engine.reset_metrics()
             result = serving.run_policy(policy, args, options, requests, engine=engine)
