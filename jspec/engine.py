@@ -834,6 +834,9 @@ class LLMEngine:
             num_total_blocks=self.block_manager.num_usable_blocks,
             draft_resident=self.draft_resident,
             max_gamma=self.max_gamma,
+            remaining_tokens=np.array(
+                [self._requests[r.seq.request_id].max_tokens - r.seq.num_output_tokens
+                 for r in decode_rows], np.int64),
         )
 
     def _observe(self, st: StepState, result, signals, drafted, clock: "StageClock") -> None:

@@ -145,6 +145,9 @@ class _Requests:
         self.alpha = np.zeros(0)
         self.context = np.zeros(0, np.int64)
         self.left = np.zeros(0, np.int64)
+        # max_tokens less the tokens a request will emit: a policy sees left + slack (the
+        # engine knows max_tokens, not where a request will stop)
+        self.slack = np.zeros(0, np.int64)
         self.lag = np.zeros(0, np.int64)
         self.prefilling: list[dict] = []  # id, alpha, prompt, left, done (prompt tokens computed)
         self.issued = 0
@@ -159,16 +162,18 @@ class _Requests:
         k = concentration
         alpha = self.rng.beta(k * phase.alpha, k * (1.0 - phase.alpha), count)
         # outputs of different lengths, so requests do not all finish in the same step
-        left = self.rng.integers(phase.output_len // 2, phase.output_len * 3 // 2 + 1, count)
+        max_tokens = phase.output_len * 3 // 2
+        left = self.rng.integers(phase.output_len // 2, max_tokens + 1, count)
         for a, n in zip(alpha.tolist(), left.tolist()):
             self.prefilling.append({"id": f"sim{self.issued}", "alpha": a, "left": n,
-                                    "prompt": phase.prompt_len, "done": 0})
+                                    "slack": max_tokens - n, "prompt": phase.prompt_len,
+                                    "done": 0})
             self.issued += 1
 
     def _keep(self, mask: np.ndarray) -> None:
         self.ids = [r for r, m in zip(self.ids, mask) if m]
         self.alpha, self.context = self.alpha[mask], self.context[mask]
-        self.left, self.lag = self.left[mask], self.lag[mask]
+        self.left, self.lag, self.slack = self.left[mask], self.lag[mask], self.slack[mask]
 
     def settle(self, phase: Phase, concentration: float) -> None:
         """Replace finished requests and resize to the phase's batch (a load drop ends the
@@ -206,6 +211,7 @@ class _Requests:
         self.alpha = np.concatenate([self.alpha, [r["alpha"] for r in done]])
         self.context = np.concatenate([self.context, [r["prompt"] + 1 for r in done]])
         self.left = np.concatenate([self.left, [r["left"] - 1 for r in done]])
+        self.slack = np.concatenate([self.slack, [r["slack"] for r in done]]).astype(np.int64)
         self.lag = np.concatenate([self.lag, [r["prompt"] + 1 for r in done]])
         return len(done)
 
@@ -299,7 +305,8 @@ class _Simulation:
                          pending_draft_tokens=r.lag.copy(),
                          batch_size=len(r.ids) + prefill_rows, num_prefill_tokens=prefill,
                          num_waiting=0, num_free_blocks=1000, num_total_blocks=1000,
-                         draft_resident=True, max_gamma=self.env.max_gamma)
+                         draft_resident=True, max_gamma=self.env.max_gamma,
+                         remaining_tokens=r.left + r.slack)
 
     def noise_at(self, t: int) -> float:
         """The step-time factor of step ``t``: exp(σ x_t), x the AR(1) series, times the

@@ -46,6 +46,9 @@ class BatchView:
     num_total_blocks: int
     draft_resident: bool  # False: the draft is offloaded and γ is forced to 0
     max_gamma: int
+    # [n] int: output tokens each sequence may still emit (its max_tokens less what it has;
+    # a stop string or EOS may end it sooner); None where unknown
+    remaining_tokens: np.ndarray | None = None
 
     @property
     def num_decode(self) -> int:

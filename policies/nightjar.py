@@ -50,8 +50,14 @@ saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collaps
 - ``catch_up`` (default ``amortized``): the draft's catch-up on what it missed (a run of γ = 0,
   arrivals' prompts) is paid by whichever γ > 0 step comes next, so it is left out of that
   step's reward and charged in Eq. (3) instead, in the units of 1/g̃: the catch-up that
-  speculating now would run, c_prefill, spread over the tokens the rest of the bin is expected
-  to emit (steps left × n × E(γ)), whatever γ_{t−1} was. Charged to the arm that ran it, it
+  speculating now would run, c_prefill, spread over the tokens it serves, whatever γ_{t−1} was.
+  Those are the tokens the sequences have left to emit (``BatchView.remaining_tokens``, from
+  their max_tokens): playing γ = 0 does not avoid a catch-up, it defers it and makes it longer,
+  unless the sequences end first, so its price per token is what it buys until they end. Spread
+  over the rest of the bin instead (steps left × n × E(γ), still the rule where remaining
+  tokens are unknown), a catch-up looked 10-30× dearer in the short bins of a young context: at
+  1 request/s every new request decoded its first 10-30 tokens at γ = 0, each making the
+  eventual catch-up longer (docs/benchmarks.md, "Adaptation that never collapses"). Charged to the arm that ran it, it
   condemned whichever arm was explored in a burst of arrivals or right after γ = 0 (the longer
   γ = 0 ran, the larger the lag and the worse the next γ > 0 sample: γ = 0 locked itself in;
   under contention a switch step's catch-up was half its 73 ms); and Eq. (3)'s printed term
@@ -189,6 +195,10 @@ _ALPHA_DECAY = 0.99  # weight of older acceptance evidence, per step that verifi
 _ALPHA_PSEUDO = 8.0  # tokens of evidence alpha0 is worth
 _MAX_INFLATION = 20.0  # most a sample's variance is inflated for autocorrelation
 _RHO_DECAY = 0.995  # weight of older residual pairs in the autocorrelation estimate
+# an unmeasured arm the run's model puts below this fraction of the best arm is not explored
+# first; it is drawn around the model's value with this relative sd (``_explore_arm``)
+_FAR_BEHIND = 0.75
+_MODEL_EXPLORE_SD = 0.3
 
 
 @dataclasses.dataclass
@@ -372,7 +382,7 @@ class NightjarPolicy(Policy):
             ctx.mode = EXPLORE if explore else EXPLOIT
             if explore:  # one arm for the whole bin (lines 9-11), among the arms not shown
                 # to be worse, drawn as the ``explore`` option says (see "Deviations")
-                ctx.explore_arm = self._explore_arm(ctx)
+                ctx.explore_arm = self._explore_arm(ctx, view)
         if (ctx.mode == EXPLORE and self.eliminate
                 and ctx.explore_arm not in self._plausible(ctx)):
             ctx.mode = EXPLOIT  # the bin's arm was shown to be worse: exploit the rest of it
@@ -382,21 +392,33 @@ class NightjarPolicy(Policy):
         self._pending = {"context": key, "gamma": gamma, "forced": False}
         return DraftPlan(gammas=np.full(n, gamma, np.int32))
 
-    def _explore_arm(self, ctx: _Context) -> int:
+    def _explore_arm(self, ctx: _Context, view: BatchView) -> int:
         """The arm of a new exploration bin among the plausible ones: uniformly (Algorithm 1),
-        or by Thompson sampling: an arm measured fewer than twice first (uniformly among
-        those), else the arm whose draw from N(g̃, sd²) is highest, so each is explored as
-        often as it could be the best."""
+        or by Thompson sampling: an arm measured fewer than twice in this context first
+        (uniformly among those), else the arm whose draw from N(g̃, sd²) is highest, so each
+        is explored as often as it could be the best. Once the run's own step-time model is
+        fitted (``model_goodput``; not with ``model_weight=0``), an unmeasured arm that model
+        puts below ``_FAR_BEHIND`` of the best arm's goodput is not explored first: it joins
+        the Thompson draw around the model's value (relative sd ``_MODEL_EXPLORE_SD``). A
+        context seen for a few dozen steps at a time (two requests at once at low load) would
+        otherwise spend its first exploration bins on arms like γ = 0 at half the goodput, and
+        the requests decoding then are the slowest of the run."""
         arms = self._plausible(ctx)
         if self.explore == "thompson":
             unmeasured = [a for a in arms if ctx.samples[a] < 2]
-            if not unmeasured:
+            model = (self.model_goodput(view) if unmeasured and self.model_weight > 0
+                     else None)
+            first = unmeasured if model is None else [
+                a for a in unmeasured if model[a] >= _FAR_BEHIND * model.max()]
+            if not first:
                 spread = self.spread
-                draws = [self._rng.normal(ctx.goodput[a],
+                draws = [self._rng.normal(model[a], _MODEL_EXPLORE_SD * model[a])
+                         if ctx.samples[a] < 2 else
+                         self._rng.normal(ctx.goodput[a],
                                           math.sqrt(ctx._mean_var(a, self.drift, spread=spread)))
                          for a in arms]
                 return int(arms[int(np.argmax(draws))])
-            arms = unmeasured
+            arms = first
         return int(arms[int(self._rng.integers(len(arms)))])
 
     def _plausible(self, ctx: _Context) -> list[int]:
@@ -448,13 +470,21 @@ class NightjarPolicy(Policy):
                 scores[1:] += self.c_prefill(view) / arms
             return scores
         # seconds per token, as 1/g̃: the catch-up that speculating now runs (on what the draft
-        # missed: a γ = 0 run, arrivals' prompts) over the tokens of the bin's remaining steps
-        # (the period Algorithm 1 commits a decision for)
+        # missed: a γ = 0 run, arrivals' prompts) over the tokens it serves, which are the
+        # tokens the sequences have left to emit (see "Deviations"); where those are unknown,
+        # the tokens of the bin's remaining steps (the period Algorithm 1 commits a decision for)
         if self.switching_cost:
-            steps = max(math.isqrt(ctx.H) - ctx.tau + 1, 1)
-            tokens = steps * view.num_decode * expected_tokens(self.alpha, arms)
-            scores[1:] += self.c_prefill(view) / tokens
+            cost = self.c_prefill(view)
+            if cost > 0:
+                scores[1:] += cost / self._catch_up_horizon(ctx, view, arms)
         return scores
+
+    def _catch_up_horizon(self, ctx: _Context, view: BatchView, arms: np.ndarray) -> np.ndarray:
+        """The tokens a catch-up run now is spread over, per γ in ``arms``."""
+        if view.remaining_tokens is not None:
+            return np.full(len(arms), max(float(np.sum(view.remaining_tokens)), 1.0))
+        steps = max(math.isqrt(ctx.H) - ctx.tau + 1, 1)
+        return steps * view.num_decode * expected_tokens(self.alpha, arms)
 
     def scores(self, view: BatchView) -> np.ndarray:
         """Eq. (3)'s objective per γ for this view's context (∞ for unvisited arms)."""

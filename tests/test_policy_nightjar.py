@@ -128,6 +128,26 @@ def test_eq3_catch_up_term_in_seconds_per_token():
                                    1 / np.array([100, 90, 110, 120, 125]))
 
 
+def test_a_catch_up_is_spread_over_the_tokens_the_sequences_have_left():
+    """With the sequences' remaining tokens known (the engine's max_tokens less their output),
+    the catch-up is charged per token it serves until they end, the same for every γ > 0: a
+    young context's short bin no longer makes it look dear enough to keep γ = 0 at the start
+    of every request; a sequence about to end still skips it."""
+    p = NightjarPolicy(4, profile=_const_profile(0.01), alpha0=0.5)
+    _set_context(p, 1, [300, 400, 550, 650, 700], prev_gamma=0)
+    ctx = p._contexts[1]
+    ctx.H, ctx.tau = 1, 1  # a one-step bin: the bin alone would spread it over E(γ) tokens
+    view = make_view(1, pending=[80])
+    view.remaining_tokens = np.array([120])
+    np.testing.assert_allclose(p.scores(view),
+                               [1 / 300, *(1 / np.array([400, 550, 650, 700]) + 0.01 / 120)])
+    assert _gamma(p, view) == 4
+    view.remaining_tokens = None  # unknown: the bin's tokens, and γ = 0 wins
+    assert _gamma(p, view) == 0
+    view.remaining_tokens = np.array([2])  # two tokens left: not worth a catch-up
+    assert _gamma(p, view) == 0
+
+
 def test_c_prefill_online_estimate_from_observed_catch_up():
     p = NightjarPolicy(4, catch_up="paper")
     view = make_view(2, pending=[9, 5])
@@ -798,3 +818,27 @@ def test_exploitation_pulls_few_samples_towards_the_runs_model(weight, best):
     assert model[4] > 1.8 * model[1]
     _set_context(p, 2, [100.0, 200.0, 190.0, 185.0, 180.0], prev_gamma=1)
     assert _gamma(p, view) == best
+
+
+def test_a_young_context_explores_first_the_arms_the_runs_model_puts_near_the_best():
+    """In a context with no samples yet (B = 16, first seen), exploration bins try first, in
+    turn, the unmeasured arms the run's own model puts within ``_FAR_BEHIND`` of the best;
+    γ = 0, which it puts at about half of the best, is not among them. With
+    ``model_weight=0`` (or before the model is fitted) every unmeasured arm is tried alike."""
+    from jspec.policies.nightjar import _FAR_BEHIND
+
+    counts = {}
+    for weight in (4.0, 0.0):
+        p = NightjarPolicy(4, prior=False, model_weight=weight, seed=3)
+        _fit_time_model(p)
+        ctx = p._context(16)
+        picks = np.bincount([p._explore_arm(ctx, make_view(16)) for _ in range(2000)],
+                            minlength=5)
+        counts[weight] = picks / picks.sum()
+    model = NightjarPolicy(4, prior=False)
+    _fit_time_model(model)
+    goodput = model.model_goodput(make_view(16))
+    near = goodput >= _FAR_BEHIND * goodput.max()
+    assert goodput[0] < 0.6 * goodput.max() and 1 < near.sum() < 5
+    np.testing.assert_allclose(counts[4.0], np.where(near, 1 / near.sum(), 0.0), atol=0.04)
+    np.testing.assert_allclose(counts[0.0], 0.2, atol=0.04)
