@@ -11,8 +11,8 @@ saved and loaded like Nightjar's (``--policy-state``), under the name ``auto``.
 It is not yet the default of `LLM`, `jspec generate` and `jspec serve` (still ``static``): the
 evidence for it is not complete (docs/benchmarks.md, "Adaptation that never collapses": in the
 simulator its worst of 50 seeds is 0.94-0.95 of the best fixed arm across prefill bursts and on a
-contended CPU; in the three-round headlines its worst round at saturation was 0.94× and 1.00×
-the best fixed choice, and below saturation its worst p90 TPOT 1.16× and 1.36×), and
+contended CPU; in the three-round headlines its worst round at saturation was 0.94×, 1.00× and
+0.90× the best fixed choice, and below saturation its worst p90 TPOT 1.16×, 1.36× and 1.27×), and
 an adaptive policy costs start-up time: it compiles every γ bucket (three drafting buckets for
 Γmax = 4 against static's one) and, for its priors, measures a step-time profile on first use
 (about 5-23 s for the built-in pair, cached afterwards).
