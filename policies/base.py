@@ -47,8 +47,8 @@ class BatchView:
     draft_resident: bool  # False: the draft is offloaded and γ is forced to 0
     max_gamma: int
     # [n] int: output tokens each sequence may still emit (its max_tokens less what it has;
-    # a stop string or EOS may end it sooner); None where unknown
-    remaining_tokens: np.ndarray | None = None
+    # a stop string or EOS may end it sooner)
+    remaining_tokens: np.ndarray
 
     @property
     def num_decode(self) -> int:

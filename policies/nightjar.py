@@ -54,14 +54,13 @@ saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collaps
   Those are the tokens the sequences have left to emit (``BatchView.remaining_tokens``, from
   their max_tokens): playing γ = 0 does not avoid a catch-up, it defers it and makes it longer,
   unless the sequences end first, so its price per token is what it buys until they end. Spread
-  over the rest of the bin instead (steps left × n × E(γ), still the rule where remaining
-  tokens are unknown), a catch-up looked 10-30× dearer in the short bins of a young context: at
-  1 request/s every new request decoded its first 10-30 tokens at γ = 0, each making the
-  eventual catch-up longer (docs/benchmarks.md, "Adaptation that never collapses"). Charged to the arm that ran it, it
-  condemned whichever arm was explored in a burst of arrivals or right after γ = 0 (the longer
-  γ = 0 ran, the larger the lag and the worse the next γ > 0 sample: γ = 0 locked itself in;
-  under contention a switch step's catch-up was half its 73 ms); and Eq. (3)'s printed term
-  then kept γ = 0. ``catch_up=paper``: the catch-up stays in the reward and Eq. (3) adds
+  over the rest of the bin instead (steps left × n × E(γ)), a catch-up looked 10-30× dearer in
+  the short bins of a young context: at 1 request/s every new request decoded its first 10-30
+  tokens at γ = 0, each making the eventual catch-up longer (docs/benchmarks.md, "Adaptation
+  that never collapses"). Charged to the arm that ran it, the catch-up condemned whichever arm
+  was explored in a burst of arrivals or right after γ = 0 (the longer γ = 0 ran, the larger
+  the lag and the worse the next γ > 0 sample: γ = 0 locked itself in; under contention a
+  switch step's catch-up was half its 73 ms); and Eq. (3)'s printed term then kept γ = 0. ``catch_up=paper``: the catch-up stays in the reward and Eq. (3) adds
   1[γ_{t−1} = 0]·c_prefill(L_max)/γ.
 - ``whiten`` (default on): a reward of an arm other than the context's leading (most sampled)
   one is measured against the leading arm's steps just before it, dividing out the AR(1)
@@ -471,20 +470,11 @@ class NightjarPolicy(Policy):
             return scores
         # seconds per token, as 1/g̃: the catch-up that speculating now runs (on what the draft
         # missed: a γ = 0 run, arrivals' prompts) over the tokens it serves, which are the
-        # tokens the sequences have left to emit (see "Deviations"); where those are unknown,
-        # the tokens of the bin's remaining steps (the period Algorithm 1 commits a decision for)
+        # tokens the sequences have left to emit (see "Deviations")
         if self.switching_cost:
-            cost = self.c_prefill(view)
-            if cost > 0:
-                scores[1:] += cost / self._catch_up_horizon(ctx, view, arms)
+            tokens = max(float(np.sum(view.remaining_tokens)), 1.0)
+            scores[1:] += self.c_prefill(view) / tokens
         return scores
-
-    def _catch_up_horizon(self, ctx: _Context, view: BatchView, arms: np.ndarray) -> np.ndarray:
-        """The tokens a catch-up run now is spread over, per γ in ``arms``."""
-        if view.remaining_tokens is not None:
-            return np.full(len(arms), max(float(np.sum(view.remaining_tokens)), 1.0))
-        steps = max(math.isqrt(ctx.H) - ctx.tau + 1, 1)
-        return steps * view.num_decode * expected_tokens(self.alpha, arms)
 
     def scores(self, view: BatchView) -> np.ndarray:
         """Eq. (3)'s objective per γ for this view's context (∞ for unvisited arms)."""

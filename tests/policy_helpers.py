@@ -11,8 +11,10 @@ from jspec.policies.profile import StepProfile
 def make_view(num_decode: int = 1, batch_size: int | None = None, max_gamma: int = 4, *,
               context_lens=None, pending=None, request_ids=None, num_waiting: int = 0,
               num_free_blocks: int = 100, num_total_blocks: int = 100,
-              draft_resident: bool = True, num_prefill_tokens: int = 0) -> BatchView:
-    """A view of ``num_decode`` decoding sequences (ids 'r0'..) in a step of ``batch_size``."""
+              draft_resident: bool = True, num_prefill_tokens: int = 0,
+              remaining=None) -> BatchView:
+    """A view of ``num_decode`` decoding sequences (ids 'r0'..) in a step of ``batch_size``,
+    each with ``remaining`` output tokens left (default 100)."""
     ids = request_ids if request_ids is not None else [f"r{i}" for i in range(num_decode)]
     n = len(ids)
     return BatchView(
@@ -22,7 +24,8 @@ def make_view(num_decode: int = 1, batch_size: int | None = None, max_gamma: int
         batch_size=batch_size if batch_size is not None else n,
         num_prefill_tokens=num_prefill_tokens, num_waiting=num_waiting,
         num_free_blocks=num_free_blocks, num_total_blocks=num_total_blocks,
-        draft_resident=draft_resident, max_gamma=max_gamma)
+        draft_resident=draft_resident, max_gamma=max_gamma,
+        remaining_tokens=np.asarray(remaining if remaining is not None else [100] * n))
 
 
 def make_outcome(view: BatchView, gammas, num_accepted, *, step_time: float = 0.01,

@@ -114,38 +114,23 @@ def test_c_prefill_from_profile_uses_the_mean_lag_and_decode_batch():
 
 def test_eq3_catch_up_term_in_seconds_per_token():
     """catch_up=amortized: the catch-up that speculating now would run (what the draft lags,
-    after γ = 0 or not) spread over the tokens the rest of the bin is expected to emit (steps
-    left × n × E(γ)), in the units of 1/g̃; nothing when the draft does not lag."""
+    after γ = 0 or not) spread over the tokens the sequences have left to emit, in the units
+    of 1/g̃, the same for every γ > 0, whatever the bin; nothing when the draft does not lag.
+    A young context's one-step bin no longer makes it look dear enough to keep γ = 0 at the
+    start of every request; a sequence about to end still skips it."""
     for prev in (0, 2):
         p = NightjarPolicy(4, profile=_const_profile(0.01), alpha0=0.5)
         _set_context(p, 2, [100, 90, 110, 120, 125], prev_gamma=prev)
-        ctx = p._contexts[2]
-        ctx.H, ctx.tau = 16, 2  # a bin of 4 steps, 3 of them left
-        tokens = 3 * 2 * np.array([1.5, 1.75, 1.875, 1.9375])
-        np.testing.assert_allclose(p.scores(make_view(2, pending=[8, 8])),
-                                   [0.01, *(1 / np.array([90, 110, 120, 125]) + 0.01 / tokens)])
+        view = make_view(2, pending=[8, 8], remaining=[30, 50])
+        np.testing.assert_allclose(p.scores(view),
+                                   [0.01, *(1 / np.array([90, 110, 120, 125]) + 0.01 / 80)])
         np.testing.assert_allclose(p.scores(make_view(2, pending=[0, 0])),
                                    1 / np.array([100, 90, 110, 120, 125]))
-
-
-def test_a_catch_up_is_spread_over_the_tokens_the_sequences_have_left():
-    """With the sequences' remaining tokens known (the engine's max_tokens less their output),
-    the catch-up is charged per token it serves until they end, the same for every γ > 0: a
-    young context's short bin no longer makes it look dear enough to keep γ = 0 at the start
-    of every request; a sequence about to end still skips it."""
     p = NightjarPolicy(4, profile=_const_profile(0.01), alpha0=0.5)
     _set_context(p, 1, [300, 400, 550, 650, 700], prev_gamma=0)
-    ctx = p._contexts[1]
-    ctx.H, ctx.tau = 1, 1  # a one-step bin: the bin alone would spread it over E(γ) tokens
-    view = make_view(1, pending=[80])
-    view.remaining_tokens = np.array([120])
-    np.testing.assert_allclose(p.scores(view),
-                               [1 / 300, *(1 / np.array([400, 550, 650, 700]) + 0.01 / 120)])
-    assert _gamma(p, view) == 4
-    view.remaining_tokens = None  # unknown: the bin's tokens, and γ = 0 wins
-    assert _gamma(p, view) == 0
-    view.remaining_tokens = np.array([2])  # two tokens left: not worth a catch-up
-    assert _gamma(p, view) == 0
+    p._contexts[1].H = 1  # a one-step bin
+    assert _gamma(p, make_view(1, pending=[80], remaining=[120])) == 4
+    assert _gamma(p, make_view(1, pending=[80], remaining=[2])) == 0  # not worth a catch-up
 
 
 def test_c_prefill_online_estimate_from_observed_catch_up():
