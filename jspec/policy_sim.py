@@ -211,7 +211,7 @@ class _Requests:
         self.alpha = np.concatenate([self.alpha, [r["alpha"] for r in done]])
         self.context = np.concatenate([self.context, [r["prompt"] + 1 for r in done]])
         self.left = np.concatenate([self.left, [r["left"] - 1 for r in done]])
-        self.slack = np.concatenate([self.slack, [r["slack"] for r in done]]).astype(np.int64)
+        self.slack = np.concatenate([self.slack, [r["slack"] for r in done]])
         self.lag = np.concatenate([self.lag, [r["prompt"] + 1 for r in done]])
         return len(done)
 

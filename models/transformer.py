@@ -287,9 +287,10 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) 
         mask &= pos[None, :] > pos[:, None] - cfg.sliding_window
     k = jnp.repeat(k.astype(jnp.float32), group, axis=1)
     v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
-    highest = jax.lax.Precision.HIGHEST  # float32 operands: IEEE on a GPU too
-    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k, precision=highest)
-    p = jax.nn.softmax(jnp.where(mask[None], s * cfg.head_dim ** -0.5, -jnp.inf), axis=-1)
+    highest = dot_precision(jnp.float32)  # float32 operands: IEEE on a GPU too
+    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k,
+                   precision=highest) * cfg.head_dim ** -0.5
+    p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
     return jnp.einsum("hqk,khd->qhd", p, v, precision=highest).astype(q.dtype)
 
 

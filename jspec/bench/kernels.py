@@ -3,7 +3,7 @@
 Attention: for every (batch B, new tokens per sequence q, context length L) point, one layer of
 ragged paged attention (Qwen2.5-0.5B attention shape by default: 14 query heads, 2 kv heads, head
 dim 64, block 16) is timed for each implementation, per call, in a jitted loop of calls over the
-layers of a small pool as a forward makes them (``layer_loop``). The bytes one call must read
+layers of a small pool as a forward makes them (``seconds_per_call``). The bytes one call must read
 from the KV pool (B x L x kv_heads x head_dim x 2 (K and V) x itemsize) divided by its time give
 an effective bandwidth, printed as a fraction of the machine's copy bandwidth measured in the
 same run (``x + 1`` over a large array in a jitted loop: read + write bytes / time). Decode and
@@ -109,9 +109,9 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
     return LOOP_CALLS * 2 * 4 * n / _best(lambda: f(x), repeats)
 
 
-def layer_loop(call):
-    """jitted ``(q, k, v, md) ->`` the sum of LOOP_CALLS calls ``call(q, k, v, layer, md)``
-    over the layers of a LOOP_LAYERS-layer pool (a traced layer index, as in a forward)."""
+def seconds_per_call(call, qa, k, v, md, repeats: int) -> float:
+    """Seconds of one ``call(q, k, v, layer, md)``, timed as LOOP_CALLS calls in one jitted
+    loop over the layers of a LOOP_LAYERS-layer pool (a traced layer index, as in a forward)."""
     import jax
     import jax.numpy as jnp
 
@@ -119,7 +119,8 @@ def layer_loop(call):
         def body(i, acc):
             return acc + call(qa, k, v, i % LOOP_LAYERS, md).astype(jnp.float32)
         return jax.lax.fori_loop(0, LOOP_CALLS, body, jnp.zeros(qa.shape, jnp.float32))
-    return jax.jit(run)
+    loop = jax.jit(run)
+    return _best(lambda: loop(qa, k, v, md), repeats) / LOOP_CALLS
 
 
 def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype, seed: int = 0,
@@ -261,8 +262,7 @@ def measure(args: argparse.Namespace) -> dict:
             def call(qa, k, v, layer, md, fn=fn, q=q):
                 return fn(qa, k, v, layer, md, sm_scale=scale, max_q_len=q)
 
-            loop = layer_loop(call)
-            seconds = _best(lambda: loop(qa, k, v, md), args.repeats) / LOOP_CALLS
+            seconds = seconds_per_call(call, qa, k, v, md, args.repeats)
             err = np.abs(np.asarray(jax.jit(call)(qa, k, v, 0, md), np.float32)
                          - expected).max()
             row[name] = {"ms": seconds * 1e3, "gbps": kv_bytes / seconds / 1e9,
@@ -389,8 +389,7 @@ def _attention_measure(args, dtype, interpret: bool):
             if not err <= tol:
                 raise ValueError(f"max |error| {err:.2e} against the oracle (B={len(md.kv_lens)}"
                                  f", q={q}) exceeds {tol:.0e}")
-            loop = layer_loop(call)
-            seconds.append(_best(lambda: loop(qa, k, v, md), args.repeats) / LOOP_CALLS)
+            seconds.append(seconds_per_call(call, qa, k, v, md, args.repeats))
         return seconds
 
     return measure, [f"B={b} q={q} ctx={context}" for b, q in points]
