@@ -196,12 +196,6 @@ class BlockManager:
 
     # ------------------------------------------------------------------ allocation
 
-    def can_allocate(self, request_id: Hashable, num_slots: int) -> bool:
-        """Whether :meth:`allocate` would succeed (an unknown id counts as an empty table)."""
-        table = self._tables.get(request_id)
-        held = len(table) if table is not None else 0
-        return self.blocks_needed(num_slots) - held <= self.num_free_blocks
-
     def allocate(self, request_id: Hashable, num_slots: int) -> bool:
         """Grow the sequence's table so it covers ``num_slots`` slots (positions 0..num_slots-1).
 

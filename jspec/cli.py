@@ -1,11 +1,18 @@
 """The `jspec` command line. Each subcommand lives in its own module and is imported lazily, so
-`jspec --help` stays fast and a broken optional dependency only breaks its own command."""
+`jspec --help` stays fast and a broken optional dependency only breaks its own command.
+
+Subcommands of the packages above the engine (`jspec serve`, in serve/cli.py) are found through
+the ``jspec.commands`` entry-point group that pyproject.toml declares, so the engine package
+imports nothing of them: the server depends on the engine, never the other way round."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
+
+from jspec.layout import checkout_entry_points
 
 # name -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS = {
@@ -13,11 +20,14 @@ COMMANDS = {
     "train": ("jspec.cli_train", "train the target model (and tokenizer) on the stdlib corpus"),
     "distill": ("jspec.cli_train", "distil a draft model from a trained target"),
     "profile": ("jspec.cli_profile", "measure a model pair's step times for cost-aware policies"),
-    "serve": ("jspec.cli_serve", "OpenAI-compatible HTTP server (needs the serve extra)"),
     "validate-gpu": ("jspec.validate_gpu", "check a GPU machine: compiled kernel tests, kernel "
                      "benchmark, greedy output Pallas vs reference, serving sweep; JSON and "
                      "markdown report"),
 }
+
+# the entry-point group of subcommands defined outside the engine package: name -> module, each
+# module defining HELP besides `add_arguments(parser)` and `run(args) -> int`
+COMMAND_GROUP = "jspec.commands"
 
 # `jspec bench NAME`: each module defines `add_arguments(parser)` and `run(args) -> int`.
 BENCHMARKS = {
@@ -37,12 +47,24 @@ BENCHMARKS = {
 }
 
 
+def extra_commands() -> dict[str, str]:
+    """name -> module of the subcommands in the ``jspec.commands`` entry-point group: those the
+    installed distributions register, and those a source checkout's own pyproject.toml declares
+    (which win, as the checkout's own folders do; jspec.layout)."""
+    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=COMMAND_GROUP)}
+    found.update(checkout_entry_points(COMMAND_GROUP))
+    return {name: module for name, module in found.items() if name not in COMMANDS}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jspec", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="jspec", description=__doc__.split(". ")[0] + ".")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        importlib.import_module(module).add_arguments(p)
+    commands = [(name, module, help_text) for name, (module, help_text) in COMMANDS.items()]
+    commands += [(name, module, None) for name, module in extra_commands().items()]
+    for name, module, help_text in commands:
+        loaded = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text or loaded.HELP)
+        loaded.add_arguments(p)
         p.set_defaults(_module=module)
     bench = sub.add_parser("bench", help="benchmarks (see `jspec bench -h`)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)

@@ -42,16 +42,41 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
             fullname, init, submodule_search_locations=[str(init.parent)])
 
 
-def install_checkout_finder() -> bool:
-    """When jspec runs from a source checkout (the folders beside jspec/, no subpackage inside
-    it), put a finder for the subpackages first on ``sys.meta_path``; returns whether it did."""
+def _checkout_root() -> Path | None:
+    """The repository root when jspec runs from a source checkout (the folders beside jspec/,
+    no subpackage inside it), else None (installed as a wheel lays it out, or no checkout)."""
     package_dir = Path(__file__).parent
     root = package_dir.parent
     if (package_dir / "models").is_dir() or not (root / "pyproject.toml").is_file():
-        return False  # installed as a wheel lays it out, or not a checkout at all
+        return None
     if not all((root / folder / "__init__.py").is_file() for folder in SUBPACKAGES.values()):
+        return None
+    return root
+
+
+def install_checkout_finder() -> bool:
+    """When jspec runs from a source checkout, put a finder for the subpackages first on
+    ``sys.meta_path``; returns whether it did."""
+    root = _checkout_root()
+    if root is None:
         return False
     if any(isinstance(f, _CheckoutFinder) for f in sys.meta_path):
         return False
     sys.meta_path.insert(0, _CheckoutFinder(root))
     return True
+
+
+def checkout_entry_points(group: str) -> dict[str, str]:
+    """name -> object reference of the entry points the checkout's pyproject.toml declares in
+    ``group``: what an install registers, for a checkout used without one (or beside an install
+    of an older checkout). Empty when jspec does not run from a checkout, and on Python 3.10
+    (no tomllib), where only installed entry points count."""
+    root = _checkout_root()
+    if root is None:
+        return {}
+    try:
+        import tomllib
+    except ImportError:
+        return {}
+    project = tomllib.loads((root / "pyproject.toml").read_text()).get("project", {})
+    return dict(project.get("entry-points", {}).get(group, {}))

@@ -466,7 +466,7 @@ def regret(env: Environment, policies, seeds, seconds: float) -> Regret:
 
 # ---------------------------------------------------------------------- environments
 # A memory-bound target at B = 32: a step's cost grows slowly with its tokens, so drafting pays
-# (static γ = 4 ≈ 1.43× off, as on the code workload at saturation).
+# (static γ = 4 ≈ 1.43× off, as the engine measured on the code workload at saturation).
 _MEMORY_BOUND = StepCost(per_token=1e-4, draft_fixed=0.003)
 # A compute-bound target: every verified token costs nearly as much as a decoded one.
 _COMPUTE_BOUND = StepCost(fixed=0.01, per_token=8e-4, draft_fixed=0.006)

@@ -5,7 +5,9 @@ parameters (temperature 0 = greedy) and its own random stream, derived from the 
 the sequence length at the step (``row_uniforms``), so a seeded request samples the same tokens
 whatever else shares its batch.
 
-Lossless rule (papers.md, "Lossless speculative step"): a drafted token x_j is accepted with
+Lossless rule (speculative sampling: Leviathan et al., "Fast Inference from Transformers via
+Speculative Decoding", and Chen et al., "Accelerating Large Language Model Decoding with
+Speculative Sampling"): a drafted token x_j is accepted with
 probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection the emitted token is sampled from
 norm(max(0, p_j - q_j)); if every drafted token is accepted the bonus token is sampled from
 p_{γ+1}. p and q are the *processed* distributions (temperature, top-k, top-p applied to both).

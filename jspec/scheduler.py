@@ -106,20 +106,12 @@ class ScheduledSeq:
     num_lookahead_slots: int
     samples: bool
 
-    @property
-    def completes_prefill(self) -> bool:
-        return self.samples
-
 
 @dataclasses.dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
     num_batched_tokens: int  # budget used, counting 1 + num_lookahead_slots per decode
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -159,9 +151,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
-
-    def get(self, request_id: str) -> Sequence | None:
-        return self._requests.get(request_id)
 
     def add(self, seq: Sequence) -> None:
         """Queue a request at the back (FCFS); its ``arrival_index`` must exceed earlier ones."""

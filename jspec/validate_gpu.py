@@ -11,8 +11,8 @@ a stage that fails, errs or runs out of time does not stop the later ones:
 
 1. ``kernel-tests``: tests/test_kernels.py with the kernels compiled for the GPU
    (``JSPEC_KERNEL_TESTS=compiled``, tests/kernel_mode.py).
-2. ``kernel-bench``: `jspec bench kernels` at the issue's goal points: every kernel against the
-   reference, achieved bandwidth against the device's copy bandwidth.
+2. ``kernel-bench``: `jspec bench kernels` at the points its bandwidth goals are set at: every
+   kernel against the reference, achieved bandwidth against the device's copy bandwidth.
 3. ``greedy``: the built-in pair's greedy output with ``--kernel-backend pallas`` against the
    reference backend's, float32 and bfloat16.
 4. ``serving``: the synthetic serving sweep at Qwen2.5-7B target / 0.5B draft shapes, plain

@@ -5,7 +5,7 @@
 A stage writes its result to ``--result`` as JSON: ``status`` (pass, fail, error, skipped, or
 timeout where it saw its own deadline pass), ``summary`` (one line), ``checks`` (each ``{name,
 ok, required, detail}``: a stage fails when a required check fails; the rest, such as the
-issue's bandwidth goals, are reported, not judged), ``numbers`` and ``errors``. Stages made of
+kernels' bandwidth goals, are reported, not judged), ``numbers`` and ``errors``. Stages made of
 several steps (the greedy runs, the serving sweep's levels) write what they have after each, so
 a stage killed at its budget, or failing half way, still leaves its numbers.
 
@@ -47,7 +47,7 @@ GREEDY_PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef ", "class Stack:\n   
 PRESETS = {
     "gpu": {
         "kernel_tests": {"mode": "compiled", "select": []},
-        # the issue's goal points: decode (q = 1) and γ + 1 = 5 verification at B = 1 and 32
+        # the points the bandwidth goals are set at: decode (q = 1) and γ + 1 = 5 verification at B = 1 and 32
         # over 4k contexts, a 512-token prefill chunk, a 512-block migration of 24 layers
         "kernel_bench": ["--batch-sizes", "1", "32", "--query-lens", "1", "5", "--contexts",
                          "4096", "--prefill", "512", "--migrate-blocks", "512", "--layers", "24",
@@ -197,7 +197,7 @@ def kernel_bench(settings: dict, deadline: float, save: Callable[[dict], None]) 
     """`jspec bench kernels` (its ``measure``) at the preset's points, judged: every timed kernel
     equal to the reference (attention within the larger of the reference's own error and the
     kernel tests' tolerance, migration bit for bit), the compiled kernels in use on a GPU, and
-    the issue's bandwidth goals reported."""
+    the bandwidth goals (ATTENTION_GOAL, MIGRATION_GOAL) reported."""
     from jspec.bench import kernels
 
     parser = argparse.ArgumentParser(prog="jspec bench kernels")

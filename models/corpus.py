@@ -14,8 +14,7 @@ Split (fixed, by module)
     names) puts the whole module in the held-out split, anything else in train. The rule only
     depends on the name, so it is the same on every machine, every Python version and every run,
     and a package never straddles the split (no near-duplicate leakage between sibling files).
-    The share of *bytes* held out varies with which packages the hash picks (see
-    ``split_summary``).
+    The share of *bytes* held out varies with which packages the hash picks.
 
 Packing
     Documents (files) are tokenized without special tokens, each followed by EOS, concatenated in
@@ -97,14 +96,6 @@ def split_files(files: Sequence[SourceFile]) -> tuple[list[SourceFile], list[Sou
     train = [f for f in files if not is_held_out(f.module)]
     held = [f for f in files if is_held_out(f.module)]
     return train, held
-
-
-def split_summary(files: Sequence[SourceFile]) -> dict:
-    train, held = split_files(files)
-    size = lambda fs: sum(os.path.getsize(f.path) for f in fs)
-    return {"train_files": len(train), "held_out_files": len(held),
-            "train_bytes": size(train), "held_out_bytes": size(held),
-            "held_out_modules": sorted({f.module for f in held})}
 
 
 def read_texts(files: Iterable[SourceFile]) -> list[str]:

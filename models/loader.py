@@ -18,7 +18,7 @@ import glob
 import json
 import os
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -359,18 +359,6 @@ def _write_json(file: str, data: dict) -> None:
     with open(file, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
-
-
-def iter_checkpoint_files(path: str | os.PathLike) -> Iterator[str]:
-    """The weight files a checkpoint directory holds (single file or shards), for tools/tests."""
-    path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
-        yield os.path.join(path, WEIGHTS_FILE)
-        return
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        for shard in sorted(set(_read_index(index).values())):
-            yield os.path.join(path, shard)
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -73,9 +73,5 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float =
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), params)
 
 
-def cast_params(params: dict, dtype) -> dict:
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), params)
-
-
 def params_nbytes(params: dict) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(params))

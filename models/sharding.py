@@ -59,10 +59,6 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
     return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
 
 
-def mesh_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.size
-
-
 def check_shardable(cfg: ModelConfig, tp: int, role: str = "target") -> None:
     """Every head and intermediate column must land on exactly one device: refuse otherwise,
     naming what does not divide."""

@@ -67,20 +67,6 @@ def pad_pairs(pairs: np.ndarray, bucket: int) -> np.ndarray:
     return np.concatenate([pairs, np.zeros((bucket - len(pairs), 2), np.int32)]).astype(np.int32)
 
 
-def compaction_plan(owned_blocks: Sequence[int], new_num_blocks: int) -> list[tuple[int, int]]:
-    """Pairs that move every owned block at or above ``new_num_blocks`` into a free block below
-    it (lowest free first). Raises if the owned blocks do not fit."""
-    owned = sorted(set(int(b) for b in owned_blocks))
-    if 0 in owned:
-        raise ValueError("block 0 is the reserved null block and cannot be owned")
-    if len(owned) > new_num_blocks - 1:
-        raise ValueError(f"{len(owned)} owned blocks do not fit in a pool of {new_num_blocks} "
-                         f"blocks ({new_num_blocks - 1} usable)")
-    owned_set = set(owned)
-    free_low = (b for b in range(1, new_num_blocks) if b not in owned_set)
-    return [(b, next(free_low)) for b in owned if b >= new_num_blocks]
-
-
 def migrate_blocks_reference(k_pool: seg.Pool, v_pool: seg.Pool, pairs: jax.Array
                              ) -> tuple[seg.Pool, seg.Pool]:
     """Pure-jnp reference: pools with ``pool[:, dst] = pool[:, src]`` for every (src, dst)."""

@@ -1,9 +1,9 @@
 """AdaEDL: stop drafting when an entropy-based estimate of the next token's acceptance falls low.
 
-AdaEDL (Agrawal, Jeon, Lee, arXiv 2410.18351; the DSDE paper's baseline, papers/dsde.txt §II-B,
-§IV) bounds the acceptance probability of a draft token from the entropy H of the draft
+AdaEDL (Agrawal, Jeon, Lee, arXiv 2410.18351; a baseline of the DSDE paper, §II-B and §IV)
+bounds the acceptance probability of a draft token from the entropy H of the draft
 distribution it is sampled from, as 1 − sqrt(λ_e·H), and stops drafting as soon as that estimate
-falls below a threshold λ (papers.md, "Baselines"). The paper's entropy scale λ_e is 0.2.
+falls below a threshold λ. The paper's entropy scale λ_e is 0.2.
 
 On device (jspec/device_steps.py) token j is drafted iff j < γ_i, the confidence product rule
 holds and entropy_j ≤ stop_entropy_i, so the rule is handed over as an entropy threshold H*:
@@ -26,7 +26,7 @@ e^1.8 ≈ 6 tokens: past that the draft is guessing and a token's expected accep
 λ adaptation (``adapt``, off by default). AdaEDL adapts λ from the historical acceptance rate
 (DSDE §IV-D describes it as "incorporating the historical acceptance rate"), but the paper's text
 is not available here, so the exact update is ours and off by default; the fixed rule above is
-what papers.md specifies. With ``adapt=True`` each request keeps its own λ_i, starting at ``lam``:
+the paper's. With ``adapt=True`` each request keeps its own λ_i, starting at ``lam``:
 after a step in which it verified v > 0 tokens and a of them were accepted,
 
     λ_i ← clip((1 − β)·λ_i + β·(1 − a/v), lam_min, lam_max)
@@ -51,11 +51,6 @@ from jspec.policies.base import BatchView, DraftPlan, Policy, StepOutcome
 def entropy_threshold(lam: float, lam_e: float) -> float:
     """H* = (1 − λ)²/λ_e: the stop rule 1 − sqrt(λ_e·H) < λ triggers iff H > H* (λ ≤ 1)."""
     return (1.0 - lam) ** 2 / lam_e
-
-
-def stop_rule(entropy: float, lam: float, lam_e: float) -> bool:
-    """AdaEDL's rule as written: stop when the acceptance estimate 1 − sqrt(λ_e·H) is below λ."""
-    return 1.0 - math.sqrt(lam_e * entropy) < lam
 
 
 def _unit(name: str, value: Any, lo_open: bool = False) -> float:

@@ -1,13 +1,14 @@
 """AdaSpec: efficiency-maximising draft and verify lengths from draft confidence and a cost model.
 
-AdaSpec (papers/adaspec.txt §4–5; formulas restored in papers.md) maximises the efficiency of a
-speculative step, expected accepted tokens per second of step time, E = N/T:
+AdaSpec ("AdaSpec: Adaptive Speculative Decoding for Fast, SLO-Aware Large Language Model
+Serving", §4–5) maximises the efficiency of a speculative step, expected accepted tokens per
+second of step time, E = N/T:
 
 * N (§4.2, Eq. 6–7): c_{i,j} = Π_{t≤j} q_i(x_t) estimates the probability that the first j draft
   tokens of request i are all accepted (c_{i,0} = 1 is the bonus/correction token, always
   emitted), so N = Σ_i Σ_{j=0..γ_i} c_{i,j}.
 * T (§4.1): γ draft forwards then one target forward. The paper fits a linear model; we read the
-  profiled table of `jspec profile` instead (papers.md allows either):
+  profiled table of `jspec profile` instead (either gives T for the same formula):
   T = D·draft_step(B, L) + target_step(B, q, L), with B = view.batch_size (every row of the step
   runs through both forwards), L = the mean context length of the decoding sequences, D = draft
   forwards (the largest γ_i) and q = 1 + Σ_i γ_i / B. The profile's grid has one query length q
@@ -66,8 +67,9 @@ paper's rule):
 
   Calibration (``calibrate``, default on). The paper takes a draft token's confidence q(x) for
   its acceptance probability. With the built-in pair and greedy verification (a token is
-  accepted when the draft's choice is the target's) they differ: at B = 1 the mean confidence
-  of verified tokens was 0.55 while the judged acceptance rate was 0.85 (docs/benchmarks.md),
+  accepted when the draft's choice is the target's) they differ: the mean confidence of
+  verified tokens is 0.49-0.59 while the judged acceptance rate is 0.87 (docs/benchmarks.md,
+  "Adaptation under load", "AdaSpec and DSD at low load"),
   so the model predicted 2.1 tokens per γ = 4 step where 3.8 came, and γ = 0 won a comparison
   it should have lost. κ = Σ accepted / Σ q over judged draft tokens (the accepted prefix and
   the first rejection of each sequence, the tokens whose fate says something about their q;
@@ -142,7 +144,7 @@ def cumulative_confidence(confidence: np.ndarray, num_drafted: np.ndarray) -> np
 
 
 class AdaSpecPolicy(Policy):
-    """AdaSpec (papers/adaspec.txt §4–5): see the module docstring for the derivations."""
+    """AdaSpec (the AdaSpec paper, §4–5): see the module docstring for the derivations."""
 
     name = "adaspec"
     signals = frozenset({"confidence"})
@@ -257,17 +259,6 @@ class AdaSpecPolicy(Policy):
         if speculating and self.tpot_slo is not None and time > self.tpot_slo:
             return -1.0
         return accepted / time
-
-    def efficiency(self, view: BatchView, cum_conf: np.ndarray, lengths,
-                   draft_steps: int | None = None) -> float:
-        """E for verify lengths ``lengths`` given c_{i,j} (``cum_conf`` [n, G], column j−1 =
-        c_{i,j}); ``draft_steps`` = draft forwards run (default: the longest length)."""
-        lengths = np.asarray(lengths, np.int64)
-        cols = np.arange(np.shape(cum_conf)[1])[None, :]
-        accepted = len(lengths) + float(np.where(cols < lengths[:, None], cum_conf, 0.0).sum())
-        steps = int(lengths.max(initial=0)) if draft_steps is None else draft_steps
-        total = int(lengths.sum())
-        return self._efficiency(accepted, self.step_time(view, total, steps), total > 0)
 
     def predicted_efficiency(self, view: BatchView, gamma: int) -> float:
         """E(γ) with every sequence drafting γ and c_{i,j} predicted as c̄^j."""

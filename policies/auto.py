@@ -9,10 +9,10 @@ returns as its evidence ages, Nightjar's ``drift``). Options are Nightjar's; lea
 saved and loaded like Nightjar's (``--policy-state``), under the name ``auto``.
 
 It is not yet the default of `LLM`, `jspec generate` and `jspec serve` (still ``static``): the
-evidence for it is not complete (docs/benchmarks.md, "Adaptation that never collapses": in the
-simulator its worst of 50 seeds is 0.94-0.95 of the best fixed arm across prefill bursts and on a
-contended CPU; in the three-round headlines its worst round at saturation was 0.94×, 1.00× and
-0.90× the best fixed choice, and below saturation its worst p90 TPOT 1.16×, 1.36× and 1.27×), and
+evidence for it is not complete (docs/benchmarks.md, "Policies in a simulated environment": in
+the simulator Nightjar's worst of 50 seeds is 0.934 of the best fixed arm on a contended CPU and
+0.939 after a load step; "Headline": in the current three-round run `auto`'s worst round at
+saturation is 0.903× static γ = 4 and its worst p90 TPOT below saturation 1.27×), and
 an adaptive policy costs start-up time: it compiles every γ bucket (three drafting buckets for
 Γmax = 4 against static's one) and, for its priors, measures a step-time profile on first use
 (about 5-23 s for the built-in pair, cached afterwards).

@@ -171,12 +171,6 @@ class StepOutcome:
             return self.step_time
         return self.step_time - self.target_time * self.num_prefill_tokens / self.num_tokens
 
-    @property
-    def decode_goodput(self) -> float:
-        """Tokens produced by decoding sequences per second of ``decode_time``: ``goodput`` with
-        the prefill chunks' share of the step taken out."""
-        return self.emitted_per_second(self.decode_time)
-
 
 def option_bool(policy: str, key: str, value: Any) -> bool:
     """A true/false policy option, or a clear error naming it."""

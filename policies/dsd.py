@@ -1,4 +1,5 @@
-"""DSD: per-step goodput maximisation under a geometric acceptance model (papers.md, "Baselines").
+"""DSD: per-step goodput maximisation under a geometric acceptance model (Liu et al., "Optimizing
+Speculative Decoding for Serving Large Language Models Using Goodput", arXiv 2406.14066).
 
 Every draft token is accepted independently with probability α, and a step emits the accepted
 prefix plus one bonus/correction token, so a sequence drafting γ tokens yields

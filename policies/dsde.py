@@ -1,4 +1,5 @@
-"""DSDE: per-sequence speculation length from the stability of KL(p‖q) (papers/dsde.txt §III).
+"""DSDE: per-sequence speculation length from the stability of KL(p‖q) (the DSDE paper, "DSDE:
+Dynamic Speculative Decoding with KLD Stability for Real-World Serving", §III).
 
 After every step the target's verification gives, per verified draft position, the divergence
 KL(p‖q) between target and draft distributions. DSDE keeps a short history of these per sequence

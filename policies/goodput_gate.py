@@ -1,6 +1,6 @@
 """Plain decoding when speculation does not pay: a gate for policies that only choose lengths.
 
-DSDE (papers/dsde.txt §III) sets each sequence's speculation length between SL_min = 2 and
+DSDE (the DSDE paper, §III) sets each sequence's speculation length between SL_min = 2 and
 SL_max from the stability of the KL signal, so it speculates whatever speculation costs. Where a
 verified token costs nearly what a decoded one does (a saturated batch on a memory-bound target
 that has become compute-bound) every γ > 0 loses to plain decoding, and DSDE ran at 0.75× the

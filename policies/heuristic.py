@@ -1,5 +1,5 @@
-"""HF transformers' assisted-generation heuristic, per sequence (papers.md "Baselines";
-transformers' ``AssistedCandidateGenerator.update_candidate_strategy`` with
+"""HF transformers' assisted-generation heuristic, per sequence (transformers'
+``AssistedCandidateGenerator.update_candidate_strategy`` with
 ``num_assistant_tokens_schedule="heuristic"``).
 
 Each request keeps its own draft length. It starts at ``min(initial, max_gamma)``, where

@@ -1,5 +1,6 @@
 """Nightjar: a contextual bandit over the speculation length γ, with the batch size as context
-(papers/nightjar.txt §4.2, Algorithm 1 and Eq. (3); papers.md "Nightjar").
+(the Nightjar paper, "Nightjar: Dynamic Adaptive Speculative Decoding for Large Language Models
+Serving", §4.2, Algorithm 1 and Eq. (3)).
 
 Arms are γ ∈ {0..Γmax}; γ = 0 is plain decoding. Every sequence of a step drafts the same γ (the
 arm). The paper's reward of a step is its realized goodput, ``StepOutcome.goodput`` = emitted
@@ -23,8 +24,8 @@ differences of 1/g̃ of a fraction of a millisecond, so once γ = 0 is played th
 
 Deviations from Algorithm 1, each an option (``reward=step, eliminate=false, drift=0,
 prior=false, explore=uniform, explore_steps=∞, whiten=false, catch_up=paper, model_weight=0`` is
-the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the wrong arm at
-saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collapses"):
+the algorithm as published), with the evidence in docs/benchmarks.md ("Why Nightjar picks the
+wrong arm at saturation", "Adaptation under load", "Adaptation that never collapses"):
 
 - ``reward`` (default ``decode_marginal``): the reward of a step is its *decode* goodput, emitted
   tokens / (step time less what the step's prefill chunks added to it). The paper's reward
@@ -37,14 +38,14 @@ saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collaps
   must be computed whatever γ the decoding rows play, so their cost is taken out of the reward
   rather than charged to the arm that happened to carry them, and it must be the same whatever the
   arm: the chunk is charged its tokens at the forward's marginal cost per token, fitted online
-  against the forward's padded width (policies/prefill_cost.py). ``reward=decode_share`` (the
-  default until round 6) splits the target's time in proportion to tokens instead; that charges the
-  chunk part of the step's fixed cost too, the more the fewer decode tokens sit beside it. In an
+  against the forward's padded width (policies/prefill_cost.py). ``reward=decode_share`` splits
+  the target's time in proportion to tokens instead; that charges the chunk part of the step's
+  fixed cost too, the more the fewer decode tokens sit beside it. In an
   environment with the engine's cost shape, γ = 0's mixed steps then look 1.5× faster than its
   decode-only ones and ``decode_share`` settles on γ = 0, the arm that delivers least
   (``test_the_marginal_reward_finds_the_arm_the_proportional_one_misses``).
-  ``reward=decode_only`` (formerly ``decode_only_reward=true``) keeps steps with prefill out of g̃
-  altogether (they still count as plays and advance the counters); it was not better than the
+  ``reward=decode_only`` (also spelt ``decode_only_reward=true``) keeps steps with prefill out of
+  g̃ altogether (they still count as plays and advance the counters); it was not better than the
   published reward beyond noise, because at saturation most speculative steps carry an arrival and
   their arms are then rarely sampled.
 - ``catch_up`` (default ``amortized``): the draft's catch-up on what it missed (a run of γ = 0,
@@ -94,7 +95,7 @@ saturation", "Adaptation under load", rounds 2-6, "Adaptation that never collaps
   (hundreds of steps when it was 30% behind, thousands when it was 2× behind) and its first
   fresh sample moves g̃ most of the way. With drift 0 the update is exactly the 1/n average.
 
-- ``prior`` (default on; the issue's "faster convergence"): an arm with no sample in a context
+- ``prior`` (default on, so that a new context converges faster): an arm with no sample in a context
   is judged by a prior instead of being played first, g̃⁰_{B,γ} = n·E(γ)/T(B, γ), with T the
   step-time profile's (the engine measures one at start-up when none is given,
   jspec/autoprofile.py, so it holds the engine's real step cost) at the step's rows and mean
@@ -316,7 +317,7 @@ class NightjarPolicy(Policy):
         for key, value in (("switching_cost", switching_cost), ("eliminate", eliminate),
                            ("prior", prior)):
             option_bool(self.name, key, value)
-        if decode_only_reward is not None:  # the option's earlier spelling
+        if decode_only_reward is not None:  # true/false spells reward=decode_only / step
             option_bool(self.name, "decode_only_reward", decode_only_reward)
             if reward != "decode_marginal":
                 raise ValueError(f"{self.name}: give reward or decode_only_reward, not both")

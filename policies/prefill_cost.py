@@ -8,8 +8,7 @@ decode_time``) does not do that. The target's time is a fixed cost (dispatch, re
 sampling, the commit) plus a cost per token, so the proportional split also charges the chunk
 part of the fixed cost, and more of it the fewer decode tokens sit beside it: at B = 32 a 100-token
 chunk beside γ = 0's 32 tokens takes 76% of the target's time, beside γ = 5's 192 only 34%, and
-γ = 0's mixed steps look cheaper than they are (docs/benchmarks.md, "Adaptation under load",
-rounds 5 and 6).
+γ = 0's mixed steps look cheaper than they are (docs/benchmarks.md, "Adaptation under load").
 
 ``PrefillCost`` fits the target's part of a step (``StepOutcome.target_time``) as a + b·w, w the
 verify forward's width with padding (what the forward computes), by least squares over

@@ -1,5 +1,5 @@
 """SpecRouter: choose the chain of draft models per step by the predicted time per target token
-(SpecRouter §4.2, the ModelChainScheduler and its Algorithm 1; papers.md "SpecRouter").
+(the SpecRouter paper, §4.2: the ModelChainScheduler and its Algorithm 1).
 
 The engine holds a pool of draft models, smallest first (``Policy.pool``). A chain is what one
 step runs for the whole batch (``DraftPlan.chain``):
@@ -20,8 +20,8 @@ What the paper specifies, and what is kept as written:
   ``intermediate_accept_prob`` (model i against the intermediate model j). Weight ``sim_ema``
   (default 0.1); one sample per step, the mean over the step's finite positions. A step without
   a finite value leaves the score as it was.
-* α_ij = f(SimScore(M_i, M_j)) with f the identity by default (papers.md: "identity is a fine
-  default").
+* α_ij = f(SimScore(M_i, M_j)) with f the identity by default (the paper's f is a calibrated
+  mapping such as a sigmoid; the identity needs no calibration data).
 * T_eff(C) = expected time per cycle / expected target tokens per cycle (Eq. 7), with the
   expected number of a level's accepted tokens from a draft of W at acceptance α being
   Σ_{k=1..W} α^k; Algorithm 1 plays the chain of minimum T_eff, the target alone included.

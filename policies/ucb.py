@@ -1,6 +1,7 @@
-"""BanditSpec-style UCB1 over the speculation length (papers.md "Baselines"; BanditSpec as cited
-in papers/nightjar.txt §6): arms γ ∈ {0..Γmax}, one γ for the whole step, reward = the step's
-goodput (emitted tokens / step wall time, ``StepOutcome.goodput``).
+"""BanditSpec-style UCB1 over the speculation length (Hou et al., "BanditSpec: Adaptive
+Speculative Decoding via Bandit Algorithms", arXiv 2505.15141, as the Nightjar paper's §6
+compares it): arms γ ∈ {0..Γmax}, one γ for the whole step, reward = the step's goodput
+(emitted tokens / step wall time, ``StepOutcome.goodput``).
 
     score(γ) = mean(γ) / max_reward + c · sqrt(ln t / n(γ))
 

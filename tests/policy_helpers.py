@@ -100,3 +100,21 @@ def linear_profile() -> StepProfile:
     target = [[[10.0 + b * q] * len(ctx) for q in query] for b in batch]
     return StepProfile("t", "d", "hand", "none", batch, query, ctx, [1], target,
                        np.ones((len(batch), len(ctx))), np.ones((1, len(batch))))
+
+
+def synthetic_profile(target_cost: float = 0.02, draft_cost: float = 0.002,
+                      per_token: float = 0.0004, batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+                      query_lens=(1, 2, 4, 8), context_lens=(128, 1024),
+                      catch_up_lens=(1, 8, 64)) -> StepProfile:
+    """A profile from a simple cost model (fixed cost + per-token cost; draft catch-up linear in
+    tokens)."""
+    b = np.asarray(batch_sizes, float)[:, None, None]
+    q = np.asarray(query_lens, float)[None, :, None]
+    ctx = np.asarray(context_lens, float)[None, None, :]
+    target = target_cost + per_token * b * q * (1 + ctx / 4096)
+    draft = (draft_cost + per_token / 10 * b[:, :, 0] * (1 + ctx[:, 0, :] / 4096))
+    c = np.asarray(catch_up_lens, float)[:, None]
+    catch_up = draft_cost + per_token / 10 * c * np.asarray(batch_sizes, float)[None, :]
+    return StepProfile("synthetic-target", "synthetic-draft", "synthetic", "none",
+                       list(batch_sizes), list(query_lens), list(context_lens),
+                       list(catch_up_lens), target, draft, catch_up)

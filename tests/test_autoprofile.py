@@ -95,7 +95,7 @@ def test_cache_off_measures_without_writing(engine_models, cache, monkeypatch):
 
 
 def test_a_given_profile_is_not_replaced(engine_models, cache):
-    from jspec.policies.profile import synthetic_profile
+    from policy_helpers import synthetic_profile
 
     target, draft, _ = engine_models
     given = synthetic_profile()

@@ -268,7 +268,6 @@ def test_per_request_latencies():
     assert (a.ttft(), a.e2e(), a.num_output_tokens) == (0.5, 1.0, 4)
     assert a.tpot() == pytest.approx((1.0 - 0.5) / 3)  # (finish - first token) / (n - 1)
     assert a.itls() == pytest.approx([0.2, 0.3])
-    assert a.token_times() == [0.5, 0.7, 0.7, 1.0]
     assert b.tpot() is None and b.itls() == []  # one token: no TPOT
     assert c.tpot() == pytest.approx(1.0)
     failed = RequestRecord("d", 0.0, 1, 1, error="boom")

@@ -68,7 +68,6 @@ def test_allocate_zero_slots_registers_an_empty_table():
 def test_allocate_is_all_or_nothing():
     bm = BlockManager(5, 4)  # 4 usable blocks
     assert bm.allocate("a", 8)
-    assert not bm.can_allocate("b", 12)
     assert not bm.allocate("b", 12)
     assert not bm.has("b")  # failed first allocation creates nothing
     assert bm.num_free_blocks == 2
@@ -80,21 +79,9 @@ def test_allocate_is_all_or_nothing():
 
 def test_allocate_more_than_the_pool_could_ever_hold_is_false():
     bm = BlockManager(5, 4)
-    assert not bm.can_allocate("a", 17)
     assert not bm.allocate("a", 17)
     assert bm.allocate("a", 16)
     assert bm.num_free_blocks == 0
-
-
-def test_can_allocate_matches_allocate():
-    bm = BlockManager(6, 2)
-    bm.allocate("a", 4)
-    for slots in range(0, 14):
-        expected = bm.can_allocate("a", slots)
-        probe = BlockManager(6, 2)
-        probe.allocate("a", 4)
-        assert probe.allocate("a", slots) == expected
-    assert bm.can_allocate("unknown", 6) and not bm.can_allocate("unknown", 7)
 
 
 def test_negative_slots_rejected():

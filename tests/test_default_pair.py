@@ -1,5 +1,5 @@
-"""The shipped default pair (models/default_pair): what the issue promises about it, checked on
-the files themselves. Teacher-forced agreement on held-out code guards against shipping a draft
+"""The shipped default pair (models/default_pair): what the README and its model card promise
+about it, checked on the files themselves. Teacher-forced agreement on held-out code guards against shipping a draft
 that was not distilled from this target (the full acceptance run is `jspec bench pair`)."""
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from jspec.kernels import backend
 from jspec.kernels.kv_migration import (
-    compaction_plan,
     migrate_blocks,
     migrate_blocks_reference,
     pad_pairs,
@@ -526,15 +525,6 @@ def test_migration_copies_rows_of_several_chunks_whole(shape, split):
 def test_migration_rejects_overlapping_or_bad_plans(plan, message):
     with pytest.raises(ValueError, match=message):
         validate_pairs(plan, 24)
-
-
-def test_compaction_plan_moves_blocks_above_the_new_end_into_free_low_blocks():
-    plan = compaction_plan([1, 3, 9, 12, 15], new_num_blocks=8)
-    assert plan == [(9, 2), (12, 4), (15, 5)]
-    validate_pairs(plan, 16)
-    assert compaction_plan([1, 2], 8) == []
-    with pytest.raises(ValueError, match="do not fit"):
-        compaction_plan(range(1, 10), 8)
 
 
 # ----------------------------------------------------------------------------- backend switch

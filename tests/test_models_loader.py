@@ -17,7 +17,6 @@ from safetensors.numpy import save_file
 from jspec.models.config import ModelConfig
 from jspec.models.loader import (
     apply_chat_template,
-    iter_checkpoint_files,
     load_checkpoint,
     load_tokenizer,
     save_checkpoint,
@@ -44,9 +43,19 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
+def checkpoint_files(path) -> list[str]:
+    """The weight files a checkpoint directory holds: the single file, or the index's shards."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return [os.path.join(path, "model.safetensors")]
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        shards = set(json.load(f)["weight_map"].values())
+    return [os.path.join(path, shard) for shard in sorted(shards)]
+
+
 def read_tensors(path) -> dict[str, np.ndarray]:
     out = {}
-    for file in iter_checkpoint_files(path):
+    for file in checkpoint_files(path):
         with safe_open(file, framework="np") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
     return out

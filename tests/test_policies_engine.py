@@ -11,7 +11,8 @@ import pytest
 from conftest import make_engine, run_to_completion
 from jspec.sampling_params import SamplingParams
 from jspec.policies import POLICIES, make_policy
-from jspec.policies.profile import StepProfile, model_signature, synthetic_profile
+from jspec.policies.profile import StepProfile, model_signature
+from policy_helpers import synthetic_profile
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 MAX_GAMMA = 7  # conftest.ENGINE_KW: shapes shared with the other engine tests

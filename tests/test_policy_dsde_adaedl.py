@@ -1,4 +1,4 @@
-"""DSDE (papers/dsde.txt §III) and AdaEDL policies: pure numpy, no model, no JAX."""
+"""DSDE (the DSDE paper, §III) and AdaEDL policies: pure numpy, no model, no JAX."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from jspec.policies.adaedl import AdaEDLPolicy, entropy_threshold, stop_rule
+from jspec.policies.adaedl import AdaEDLPolicy, entropy_threshold
 from jspec.policies.dsde import (DSDEPolicy, calibrate_sl_max, predict_sl, scale_factor,
                            weighted_variance, wvir)
 from policy_helpers import linear_profile, make_outcome, make_view
@@ -309,11 +309,17 @@ def test_adaedl_threshold_known_values():
 @pytest.mark.parametrize("lam,lam_e", [(0.4, 0.2), (0.1, 0.2), (0.7, 0.05), (0.0, 1.0),
                                        (0.95, 2.0)])
 def test_adaedl_rule_equivalence(lam, lam_e):
+    """The policy's entropy threshold stops exactly where AdaEDL's rule as written does: when
+    the acceptance estimate 1 − sqrt(λ_e·H) is below λ."""
+
+    def stop_rule(entropy: float) -> bool:
+        return 1.0 - math.sqrt(lam_e * entropy) < lam
+
     h_star = entropy_threshold(lam, lam_e)
     for h in np.linspace(0.0, 12.0, 2401):
         if abs(h - h_star) < 1e-9:
             continue  # exactly at the boundary float rounding may go either way
-        assert (h > h_star) == stop_rule(h, lam, lam_e), (h, h_star)
+        assert (h > h_star) == stop_rule(h), (h, h_star)
 
 
 def test_adaedl_plan():

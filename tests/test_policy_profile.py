@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from jspec.policies.profile import StepProfile, interpolate, load_profile, synthetic_profile
+from jspec.policies.profile import StepProfile, interpolate, load_profile
+from policy_helpers import synthetic_profile
 
 
 def _profile():

@@ -50,7 +50,7 @@ def test_the_fixed_arms_rank_as_each_environment_is_calibrated(name, best):
     means = _mean_fixed(ENVIRONMENTS[name])
     winner = max(means, key=means.get)
     assert winner in best, means
-    if name == "saturation-pays":  # speculation pays as on the issue's code workload (1.43×)
+    if name == "saturation-pays":  # speculation pays as the engine measured on the code workload (1.43×)
         assert 1.3 < means["static γ=4"] / means["off"] < 1.6, means
     if name == "saturation-no-pay":  # and here it clearly does not
         assert means["static γ=1"] < 0.97 * means["off"], means
@@ -160,13 +160,13 @@ def test_a_stale_profile_is_what_the_policies_are_given():
 
 # The worst seed of Nightjar (and so `auto`, the same class with the same defaults) against the
 # best fixed arm in hindsight on each seed, in every environment. The seeds are not the ones the
-# policy's design was compared on (0-5, 20-29, 40-49: docs/benchmarks.md, "Adaptation that never
-# collapses", which gives the worst over those too).
+# policy's design was compared on (0-49: docs/benchmarks.md, "Policies in a simulated
+# environment", which gives the worst over those).
 _SEEDS = range(100, 104)
 
 
-# Where a policy's own rule falls short of 0.95 (docs/benchmarks.md, "Adaptation that never
-# collapses"): dsd and adaspec plan each step's goodput, which in prefill-bursts, where prompts
+# Where a policy's own rule falls short of 0.95 (docs/benchmarks.md, "Policies in a simulated
+# environment"): dsd and adaspec plan each step's goodput, which in prefill-bursts, where prompts
 # admitted per second bound the throughput, favours longer steps than the best fixed arm (0.92-0.93);
 # DSDE's KL rule chooses the lengths (0.93-0.94 at low load, after a load step and in prefill-bursts).
 _SHORT = {"dsd": {"prefill-bursts"}, "adaspec": {"prefill-bursts"},

@@ -83,7 +83,6 @@ def test_add_queues_and_rejects_duplicates_and_empty():
     sched.add(seq)
     assert seq.status is SequenceStatus.WAITING
     assert sched.num_waiting == 1 and sched.num_running == 0 and sched.has_unfinished()
-    assert sched.get("a") is seq and sched.get("zzz") is None
     with pytest.raises(ValueError, match="'a'"):
         sched.add(make_seq("a", 4))
     with pytest.raises(ValueError, match="no tokens"):
@@ -93,7 +92,7 @@ def test_add_queues_and_rejects_duplicates_and_empty():
 def test_empty_scheduler_schedules_nothing():
     sched, _ = make()
     out = sched.schedule()
-    assert out.is_empty and out.preempted == [] and out.num_batched_tokens == 0
+    assert not out.scheduled and out.preempted == [] and out.num_batched_tokens == 0
     assert not sched.has_unfinished()
 
 
@@ -123,7 +122,7 @@ def test_max_num_seqs_limits_admission():
     out = sched.schedule()
     assert [item.seq.request_id for item in out.scheduled] == ["r0", "r1"]
     commit(sched, out)
-    sched.finish(sched.get("r0"), SequenceStatus.FINISHED_STOPPED)
+    sched.finish(sched.running[0], SequenceStatus.FINISHED_STOPPED)  # r0
     out = sched.schedule()
     assert [item.seq.request_id for item in out.scheduled] == ["r1", "r2"]
 
@@ -141,7 +140,8 @@ def test_running_sequences_come_first_then_waiting():
 
 def test_decode_reserves_lookahead_budget_and_slots():
     sched, bm = make(block_size=4, max_num_batched_tokens=16, lookahead_slots=5)
-    sched.add(make_seq("a", 6))
+    seq = make_seq("a", 6)
+    sched.add(seq)
     out = sched.schedule()
     assert out.scheduled[0].num_lookahead_slots == 0  # prefill: no lookahead
     commit(sched, out)  # 7 tokens, 6 computed
@@ -152,7 +152,7 @@ def test_decode_reserves_lookahead_budget_and_slots():
     assert out.num_batched_tokens == 6
     assert bm.num_slots("a") >= 7 + 5
     commit(sched, out, accepted={"a": 3})
-    assert sched.get("a").num_tokens == 11 and bm.num_slots("a") == 12
+    assert seq.num_tokens == 11 and bm.num_slots("a") == 12
 
 
 def test_token_budget_limits_admission_and_shrinks_lookahead():
@@ -259,7 +259,7 @@ def test_nothing_fits_and_nothing_runs_returns_empty_output():
     sched.add(make_seq("small", 2))
     for _ in range(3):
         out = sched.schedule()
-        assert out.is_empty and out.preempted == []
+        assert not out.scheduled and out.preempted == []
     assert sched.num_waiting == 2
 
 
@@ -318,13 +318,14 @@ def test_no_admission_in_a_step_that_preempted():
 
 def test_preempts_several_youngest_in_order():
     sched, _ = make(num_blocks=7, block_size=4, max_num_batched_tokens=64)  # 24 slots
-    sched.add(make_seq("a", 15))
+    a = make_seq("a", 15)
+    sched.add(a)
     sched.add(make_seq("b", 3))
     sched.add(make_seq("c", 3))
     commit(sched, sched.schedule())  # a: 16 tokens in 4 blocks, b and c: 1 block each
     # a grows to 24 tokens: needs 2 more blocks, only 0 free
-    sched.get("a").output_token_ids.extend([1] * 8)
-    sched.get("a").num_computed = 23
+    a.output_token_ids.extend([1] * 8)
+    a.num_computed = 23
     out = sched.schedule()
     assert [s.request_id for s in out.preempted] == ["c", "b"]
     assert [s.request_id for s in sched.waiting] == ["b", "c"]
@@ -335,10 +336,11 @@ def test_preempts_several_youngest_in_order():
 def test_sequence_preempts_itself_when_it_is_the_youngest():
     sched, bm = make(num_blocks=5, block_size=4)  # 16 slots
     sched.add(make_seq("a", 11))
-    sched.add(make_seq("b", 3))
+    b = make_seq("b", 3)
+    sched.add(b)
     commit(sched, sched.schedule())  # a: 12 tokens in 3 blocks, b: 4 tokens in 1 block
-    sched.get("b").output_token_ids.append(1)  # b needs slot 5: a second block
-    sched.get("b").num_computed = 4
+    b.output_token_ids.append(1)  # b needs slot 5: a second block
+    b.num_computed = 4
     out = sched.schedule()
     assert [i.seq.request_id for i in out.scheduled] == ["a"]
     assert [s.request_id for s in out.preempted] == ["b"]

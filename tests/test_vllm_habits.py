@@ -1,5 +1,5 @@
-"""What a vLLM user types works (or fails with a reason), and the small things a newcomer hit
-stay fixed (issue 18)."""
+"""What a vLLM user types works (or fails with a reason), and the small things that trip up a
+newcomer stay fixed."""
 
 from __future__ import annotations
 

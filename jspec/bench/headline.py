@@ -4,7 +4,8 @@ For each load (three fixed Poisson rates and a scaled Azure conversation-trace r
 ``jspec bench serving`` with every policy side by side (same requests, same arrival times, one
 process, each policy on a fresh engine compiled before its clock starts), writes that load's
 results JSON, and at the end a markdown report (``headline.md``: the policy x load table of
-throughput, p90 TPOT and mean γ, and the issue's goals checked one by one) and the figures.
+throughput, p90 TPOT and mean γ, and the goals of ``goal_checks`` checked one by one) and the
+figures.
 
     jspec bench headline --out bench-results/real                 # the built-in pair
     jspec bench headline --synthetic qwen2.5-0.5b --out bench-results/synthetic
@@ -49,7 +50,7 @@ LOADS = ("low", "medium", "high", "step", "burst", "trace")
 CHANGING = ("step", "burst", "trace")  # loads whose rate changes during the run
 
 # mode -> load -> `jspec bench serving` arguments (calibrated on the 2-vCPU development machine;
-# see docs/benchmarks.md for the capacity measurements behind them)
+# docs/benchmarks.md, "Headline", says which loads are arrival-bound there)
 PRESETS: dict[str, dict[str, list[str]]] = {
     "real": {
         "common": ["--workload", "code", "--max-tokens", "128", "--max-num-seqs", "32",

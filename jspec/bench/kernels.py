@@ -7,8 +7,8 @@ layers of a small pool as a forward makes them (``seconds_per_call``). The bytes
 from the KV pool (B x L x kv_heads x head_dim x 2 (K and V) x itemsize) divided by its time give
 an effective bandwidth, printed as a fraction of the machine's copy bandwidth measured in the
 same run (``x + 1`` over a large array in a jitted loop: read + write bytes / time). Decode and
-verification at long contexts should be bound by that read, which is the roofline the issue
-sets (>= 60%).
+verification at long contexts should be bound by that read, so it is the roofline; the goal is
+>= 60% of it (``jspec.validate_stages.ATTENTION_GOAL``).
 
 Migration: one launch moving N blocks of every layer (K and V) against a plain device copy of
 the same bytes (``pool[:, dst] = pool[:, src]`` via XLA gather/scatter is the reference; the

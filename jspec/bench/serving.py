@@ -11,10 +11,11 @@ are compared side by side on identical requests at identical times. For example:
 The driver is open-loop (single-request workloads): every request is sent at its scheduled arrival
 time (an asyncio task sleeping until then) whatever the engine's state, and its stream is consumed
 as it comes; the time each chunk reaches the client is recorded (``serving_metrics`` has every
-definition). The engine's own steps are recorded by wrapping ``LLMEngine.step`` on the instance for
-the run (no engine change): per step, its batch size, the γ the policy chose for each decoding
-sequence (summed, with the max), verified / accepted / emitted tokens, prefill tokens and queue
-depths.
+definition). The engine's own steps are recorded by a step listener (``StepRecorder``), which gets
+each step's ``StepOutcome`` on the engine thread: per step, its time, the draft loop's and the
+catch-up's share of it, its batch size and decoding sequences, the γ the policy chose for them
+(summed, with the max), verified / accepted / emitted tokens, prefill, total and padded tokens,
+and the running and waiting queues' lengths.
 
 Workloads (``--workload``, ``jspec.bench.workloads``): code, spec-bench, alpaca and sharegpt are
 single requests; ``multiturn`` is conversations, each arrival the start of one (``--num-requests``
@@ -636,9 +637,46 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
     """Run one policy over the requests (``BenchRequest``s, or ``BenchConversation``s for the
     multiturn workload) on a fresh engine (or ``engine``, already built and warmed up for this
     policy); returns the run's results."""
-    from jspec.async_engine import AsyncLLMEngine
-    from jspec.sampling_params import SamplingParams
+    engine, compile_s = _prepared_engine(policy, args, engine_kwargs, engine)
+    # the conversations' limit: the first engine's (run()), the same for every policy
+    context_limit = getattr(args, "context_limit_resolved", None) or engine.limits.context_limit
+    _check_requests(engine, requests)
+    measured = _drive_policy(policy, args, engine, requests, context_limit)
+    em = engine.metrics.as_dict()
+    result = {
+        "label": policy["label"], "policy": policy["name"],
+        "engine_options": dict(policy.get("engine", {})),
+        "prefix_caching": engine.config.enable_prefix_caching,
+        "policy_options": {k: str(v) if not isinstance(v, (int, float, bool)) else v
+                           for k, v in policy["options"].items()},
+        "compile_s": compile_s, "wall_s": measured.wall_s,
+        "warmup_requests": measured.num_warmup, "warmup_s": measured.warmup_s,
+        "metrics": _run_metrics(args, engine, em, measured),
+        "submit_lag_s": summarize(r.submit - r.arrival for r in measured.records
+                                  if r.submit is not None),
+        "gamma_by_batch": gamma_by_batch(em["gamma_histogram_by_batch"]),
+        "engine_metrics": {k: v for k, v in em.items() if k != "gamma_histogram_by_batch"},
+        "time_series": time_series(measured.records, measured.steps, args.bin_seconds_resolved),
+    }
+    if not args.no_requests:
+        result["steps"] = measured.steps.as_dict()
+        if measured.warmup_steps is not None:  # what the policy learned from before the run
+            result["warmup_steps"] = measured.warmup_steps.as_dict()
+        result["policy_state"] = engine.policy.state_dict()  # what it knows at the end
+        result["requests"] = [r.as_dict() for r in measured.records]
+        if measured.conversations is not None:
+            result["conversations"] = [c.as_dict() for c in measured.conversations]
+    return result
 
+
+def _is_multiturn(requests) -> bool:
+    return bool(requests) and isinstance(requests[0], wl.BenchConversation)
+
+
+def _prepared_engine(policy: dict, args: argparse.Namespace, engine_kwargs: dict,
+                     engine) -> tuple[Any, float]:
+    """The policy's engine (``engine``, or a fresh one, compiled now) with its step profile
+    measured, and the seconds compiling took (0 for a given engine)."""
     compile_s = 0.0
     if engine is None:
         engine = make_engine(args, policy, engine_kwargs)
@@ -646,29 +684,71 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
         engine.warmup()
         compile_s = time.perf_counter() - t
     engine.ensure_profile()  # a cost-model policy's step profile, measured before any timing
-    multiturn = bool(requests) and isinstance(requests[0], wl.BenchConversation)
-    # the conversations' limit: the first engine's (run()), the same for every policy
-    context_limit = getattr(args, "context_limit_resolved", None) or engine.limits.context_limit
-    for r in requests:  # cheap, and a failure here is a harness bug, not a benchmark result
-        # (a conversation's later prompts are built as it runs, within context_limit)
+    return engine, compile_s
+
+
+def _check_requests(engine, requests) -> None:
+    """The engine accepts every request: cheap, and a failure here is a harness bug, not a
+    benchmark result (a conversation's later prompts are built as it runs, within the context
+    limit, so its first turn stands for it)."""
+    from jspec.sampling_params import SamplingParams
+
+    multiturn = _is_multiturn(requests)
+    for r in requests:
         engine.validate_request(r.turns[0] if multiturn else r.prompt_token_ids,
                                 SamplingParams(max_tokens=r.max_tokens))
 
-    def sampling(req: wl.BenchRequest) -> SamplingParams:
-        return SamplingParams(max_tokens=req.max_tokens, temperature=args.temperature,
-                              ignore_eos=args.ignore_eos, seed=request_seed(args.seed, req))
 
-    def run_driver(reqs, recorder, progress, desc="serving"):
-        if not multiturn:
-            return asyncio.run(drive(aengine, reqs, sampling, recorder, progress=progress,
-                                     desc=desc)), None
+class _Driver:
+    """Sends requests, or conversations, to one engine with the run's sampling settings."""
+
+    def __init__(self, aengine, args: argparse.Namespace, multiturn: bool, context_limit: int):
+        self.aengine, self.args = aengine, args
+        self.multiturn, self.context_limit = multiturn, context_limit
+
+    def sampling(self, req: wl.BenchRequest):
+        from jspec.sampling_params import SamplingParams
+
+        return SamplingParams(max_tokens=req.max_tokens, temperature=self.args.temperature,
+                              ignore_eos=self.args.ignore_eos,
+                              seed=request_seed(self.args.seed, req))
+
+    def run(self, reqs, recorder: StepRecorder, progress: bool, desc: str = "serving"
+            ) -> tuple[list[RequestRecord], list[ConversationRun] | None]:
+        """The records of sending ``reqs`` on a clock that starts now, and the conversations'
+        runs (None for single requests)."""
+        if not self.multiturn:
+            return asyncio.run(drive(self.aengine, reqs, self.sampling, recorder,
+                                     progress=progress, desc=desc)), None
         return asyncio.run(drive_conversations(
-            aengine, reqs, sampling, recorder, context_limit=context_limit,
-            think_time=args.think_time or 0.0, progress=progress, desc=desc))
+            self.aengine, reqs, self.sampling, recorder, context_limit=self.context_limit,
+            think_time=self.args.think_time or 0.0, progress=progress, desc=desc))
 
+
+@dataclasses.dataclass
+class _Measured:
+    """What serving one policy's requests recorded."""
+
+    records: list[RequestRecord]
+    conversations: list[ConversationRun] | None  # multiturn: each conversation's run
+    steps: StepRecords
+    warmup_steps: StepRecords | None  # the unmeasured warm-up requests' steps, if any ran
+    num_warmup: int
+    warmup_s: float
+    wall_s: float
+
+
+def _drive_policy(policy: dict, args: argparse.Namespace, engine, requests,
+                  context_limit: int) -> _Measured:
+    """Serve the requests on ``engine``; an adaptive policy (not off / static) first serves the
+    first --warmup-requests of them, unmeasured."""
+    from jspec.async_engine import AsyncLLMEngine
+
+    multiturn = _is_multiturn(requests)
     aengine = AsyncLLMEngine(engine)
+    driver = _Driver(aengine, args, multiturn, context_limit)
     warm = requests[:args.warmup_requests] if policy["name"] not in ("off", "static") else []
-    warmup_s = 0.0
+    warm_recorder, warmup_s = None, 0.0
     start = time.perf_counter()
     try:
         if warm:
@@ -678,13 +758,13 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
                     dataclasses.replace(r, request_id=f"req-{10_000_000 + i}")
                     for i, r in enumerate(warm)]
             with StepRecorder(engine) as warm_recorder:
-                run_driver(warm, warm_recorder, progress=False)
+                driver.run(warm, warm_recorder, progress=False)
             engine.reset_metrics()
             engine.reset_prefix_cache()  # the measured requests must not find the warm-up's
             warmup_s = time.perf_counter() - start
             start = time.perf_counter()
         with StepRecorder(engine) as recorder:
-            records, conversations = run_driver(requests, recorder, not args.no_progress,
+            records, conversations = driver.run(requests, recorder, not args.no_progress,
                                                 policy["label"])
     finally:
         aengine.shutdown()
@@ -692,10 +772,16 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
     if aengine.error is not None:
         raise RuntimeError(f"the engine failed under policy {policy['label']!r}") \
             from aengine.error
+    return _Measured(records, conversations, recorder.steps,
+                     warm_recorder.steps if warm_recorder is not None else None, len(warm),
+                     warmup_s, wall)
+
+
+def _run_metrics(args: argparse.Namespace, engine, em: dict, measured: _Measured) -> dict:
+    """The run's request metrics (``serving_metrics``) with the engine's counters ``em``."""
     tpot_slo = args.tpot_slo_ms / 1e3 if args.tpot_slo_ms is not None else None
     ttft_slo = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms is not None else None
-    metrics = compute_metrics(records, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
-    em = engine.metrics.as_dict()
+    metrics = compute_metrics(measured.records, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
     hist = em["gamma_histogram"]
     seq_steps = sum(hist)
     metrics["mean_gamma"] = sum(g * c for g, c in enumerate(hist)) / seq_steps \
@@ -709,33 +795,10 @@ def run_policy(policy: dict, args: argparse.Namespace, engine_kwargs: dict, requ
     for key in PREFIX_CACHE_KEYS:
         metrics[key] = em[key]
     metrics["prefix_cache_blocks"] = engine.stats().kv_blocks_cached  # cached at the end
-    if multiturn:
-        metrics["by_turn"] = turn_metrics(records)
-        metrics["conversations"] = conversation_summary(conversations)
-    result = {
-        "label": policy["label"], "policy": policy["name"],
-        "engine_options": dict(policy.get("engine", {})),
-        "prefix_caching": engine.config.enable_prefix_caching,
-        "policy_options": {k: str(v) if not isinstance(v, (int, float, bool)) else v
-                           for k, v in policy["options"].items()},
-        "compile_s": compile_s, "wall_s": wall,
-        "warmup_requests": len(warm), "warmup_s": warmup_s,
-        "metrics": metrics,
-        "submit_lag_s": summarize(r.submit - r.arrival for r in records
-                                  if r.submit is not None),
-        "gamma_by_batch": gamma_by_batch(em["gamma_histogram_by_batch"]),
-        "engine_metrics": {k: v for k, v in em.items() if k != "gamma_histogram_by_batch"},
-        "time_series": time_series(records, recorder.steps, args.bin_seconds_resolved),
-    }
-    if not args.no_requests:
-        result["steps"] = recorder.steps.as_dict()
-        if warm:  # what the policy learned from before the measured run
-            result["warmup_steps"] = warm_recorder.steps.as_dict()
-        result["policy_state"] = engine.policy.state_dict()  # what it knows at the end
-        result["requests"] = [r.as_dict() for r in records]
-        if multiturn:
-            result["conversations"] = [c.as_dict() for c in conversations]
-    return result
+    if measured.conversations is not None:
+        metrics["by_turn"] = turn_metrics(measured.records)
+        metrics["conversations"] = conversation_summary(measured.conversations)
+    return metrics
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -932,7 +995,36 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    # -- everything checkable without models, before loading anything
+    plan = plan_benchmark(args)  # everything checkable without models, before loading any
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    announce(args, plan)
+    # the first engine's tokenizer and context limit shape the requests every policy gets;
+    # run_rounds takes it out of the list to run the first policy on it
+    first = [make_engine(args, plan.policies[0], plan.engine_kwargs)]
+    built = build_bench_requests(args, plan, first[0])
+    runs = run_rounds(args, plan, built.requests, first)
+    report = BenchReport.of(runs, args.rounds)
+    print_report(args, plan, report)
+    write_outputs(args, results_document(args, plan, built, report))
+    return 0
+
+
+@dataclasses.dataclass
+class BenchPlan:
+    """What one invocation runs, known before any model loads."""
+
+    synthetic: Any  # the synthetic acceptance (jspec.synthetic), or None
+    policies: list[dict]  # one per run in a round, variants included
+    arrivals: arr.Arrivals
+    prompts: list  # the workload's pool (multiturn: the conversations' messages)
+    multiturn: bool
+    turns: int  # multiturn: the most user turns per conversation
+    engine_kwargs: dict  # the options every policy's engine shares
+
+
+def check_arguments(args: argparse.Namespace):
+    """Refuse bad options; returns the synthetic acceptance (``--synthetic-acceptance``, which
+    ``--synthetic`` defaults to the built-in pair's), or None."""
     if (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither for the built-in pair")
     if args.synthetic is not None:
@@ -946,23 +1038,18 @@ def run(args: argparse.Namespace) -> int:
         from jspec.synthetic import parse_acceptance
 
         synthetic = parse_acceptance(args.synthetic_acceptance, seed=args.seed)
-    if args.num_speculative_tokens < 0:
-        raise ValueError(f"--num-speculative-tokens must be >= 0, got "
-                         f"{args.num_speculative_tokens}")
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.warmup_requests < 0:
-        raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    for name, low in (("num_speculative_tokens", 0), ("max_tokens", 1), ("warmup_requests", 0),
+                      ("rounds", 1)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got "
+                             f"{getattr(args, name)}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     for name in ("tpot_slo_ms", "ttft_slo_ms", "bin_seconds"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    multiturn = args.workload == "multiturn"
-    if not multiturn and (args.turns is not None or args.think_time is not None):
+    if args.workload != "multiturn" and (args.turns is not None or args.think_time is not None):
         raise ValueError("--turns and --think-time are options of --workload multiturn")
     if args.turns is not None and args.turns < 1:
         raise ValueError(f"--turns must be >= 1, got {args.turns}")
@@ -971,6 +1058,12 @@ def run(args: argparse.Namespace) -> int:
     from jspec.sampling_params import SamplingParams
 
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # checks them
+    return synthetic
+
+
+def policy_runs(args: argparse.Namespace) -> list[dict]:
+    """The policies given, each followed by its variants (elastic memory, and without prefix
+    caching, asynchronous scheduling or batch-invariant numerics for ``both``)."""
     policies = parse_policies(args.policy, args.policy_option, args.num_speculative_tokens)
     if args.elastic_memory:
         policies = with_elastic_runs(policies, args)
@@ -980,10 +1073,19 @@ def run(args: argparse.Namespace) -> int:
         policies = with_variant_runs(policies, NO_ASYNC_SUFFIX, {"async_scheduling": False})
     if args.deterministic == "both":
         policies = with_variant_runs(policies, NO_DETERMINISTIC_SUFFIX, {"deterministic": False})
+    return policies
+
+
+def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
+    """Check the options, and build the policy runs, the arrival schedule and the prompt pool;
+    sets ``args.bin_seconds_resolved``."""
+    synthetic = check_arguments(args)
+    policies = policy_runs(args)
     arrivals = build_arrivals(args)
     if args.workload == "code" and args.workload_file:
         raise ValueError("--workload code reads the held-out corpus split; --workload-file is "
                          "for spec-bench, alpaca, sharegpt and multiturn")
+    multiturn = args.workload == "multiturn"
     turns = args.turns or wl.DEFAULT_TURNS
     prompts = (wl.load_conversations(args.workload_file, turns) if multiturn
                else wl.load_workload(args.workload, args.workload_file))
@@ -995,118 +1097,174 @@ def run(args: argparse.Namespace) -> int:
     # (conversations: the arrivals are their starts; their turns run on about `turns` times
     # as long)
     args.bin_seconds_resolved = args.bin_seconds or nice_bin(span * (turns if multiturn else 1))
+    return BenchPlan(synthetic, policies, arrivals, prompts, multiturn, turns,
+                     engine_options(args))
 
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    engine_kwargs = engine_options(args)
-    if multiturn and arrivals.context_tokens is not None:
+
+def announce(args: argparse.Namespace, plan: BenchPlan) -> None:
+    """The notes on stderr before the first model loads: what is synthetic or built in, and
+    what of the arrival trace a multiturn workload ignores."""
+    if plan.multiturn and plan.arrivals.context_tokens is not None:
         print("note: --workload multiturn takes only the trace's times (conversation starts), "
               "not its token counts", file=sys.stderr)
-    if synthetic is not None:
-        print(f"{synthetic_banner(args, synthetic)}; conditional acceptance per position "
-              f"{', '.join(f'{r:.3f}' for r in synthetic.rates)}", file=sys.stderr)
+    if plan.synthetic is not None:
+        print(f"{synthetic_banner(args, plan.synthetic)}; conditional acceptance per position "
+              f"{', '.join(f'{r:.3f}' for r in plan.synthetic.rates)}", file=sys.stderr)
     elif args.target is None:
         from jspec.default_models import describe_default_pair
 
         print(f"using {describe_default_pair()}", file=sys.stderr)
-    # the first engine's tokenizer and context limit shape the requests every policy gets
-    first = make_engine(args, policies[0], engine_kwargs)
-    max_model_len = first.rc.max_model_len
-    # what a conversation may grow to (prompt + output): the same for every policy's engine
-    context_limit = args.context_limit_resolved = first.limits.context_limit
+
+
+@dataclasses.dataclass
+class BenchRequests:
+    """The requests every policy gets, built with the first engine's tokenizer and limits."""
+
+    requests: list  # BenchRequest, or BenchConversation for multiturn
+    prompt_lens: list[int]  # multiturn: the first turns'
+    output_lens: list[int]  # the output budgets (multiturn: of every turn)
+    turn_lens: list[int]  # multiturn: every user turn's tokens; else empty
+    max_model_len: int
+    context_limit: int  # what a sequence (a conversation) may grow to, prompt + output
+    model_info: dict  # the models' signatures and the KV cache's dtype
+
+
+def build_bench_requests(args: argparse.Namespace, plan: BenchPlan, first) -> BenchRequests:
+    """The requests from the prompt pool and the arrival times, tokenized and fitted to the
+    ``first`` engine's limits (the same for every policy's engine); says what they are."""
     from jspec.policies.profile import model_signature
 
+    # what a conversation may grow to (prompt + output): the same for every policy's engine
+    context_limit = args.context_limit_resolved = first.limits.context_limit
     model_info = {"target_model": model_signature(first.target.cfg),
                   "draft_model": model_signature(first.draft.cfg) if first.draft else None,
                   "kv_dtype": str(first.runner.kv_dtype)}
-    if multiturn:
+    labels = ", ".join(p["label"] for p in plan.policies)
+    if plan.multiturn:
         tok = first.tokenizer
         # the wrapped messages' pieces without special tokens; the first piece of a
         # conversation with them (a BOS, where the tokenizer adds one, starts it once)
         requests = wl.build_conversations(
-            prompts, lambda text: tok.encode(text, add_special_tokens=False), arrivals.times,
-            context_limit=context_limit, max_tokens=args.max_tokens, seed=args.seed,
-            max_prompt_tokens=args.max_prompt_tokens, encode_first=tok.encode)
+            plan.prompts, lambda text: tok.encode(text, add_special_tokens=False),
+            plan.arrivals.times, context_limit=context_limit, max_tokens=args.max_tokens,
+            seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, encode_first=tok.encode)
         prompt_lens = [len(c.turns[0]) for c in requests]  # first turns
         turn_lens = [len(t) for c in requests for t in c.turns]
         output_lens = [c.max_tokens for c in requests for _ in c.turns]
-        print(f"{len(requests)} conversations ({arrivals.label} starts, {len(turn_lens)} user "
-              f"turns, up to {turns} each, {args.think_time or 0:g} s think time), "
+        print(f"{len(requests)} conversations ({plan.arrivals.label} starts, {len(turn_lens)} "
+              f"user turns, up to {plan.turns} each, {args.think_time or 0:g} s think time), "
               f"{sum(turn_lens)} user-turn tokens, {sum(output_lens)} output tokens budgeted "
-              f"(context limit {context_limit}); "
-              f"policies: {', '.join(p['label'] for p in policies)}", file=sys.stderr)
+              f"(context limit {context_limit}); policies: {labels}", file=sys.stderr)
     else:
         # fitted to what one sequence may hold (the KV pool may hold less than max_model_len):
         # the engine refuses a request whose prompt + max_tokens does not fit
+        arrivals = plan.arrivals
         requests = wl.build_requests(
-            prompts, first.tokenizer.encode, arrivals.times, max_model_len=context_limit,
+            plan.prompts, first.tokenizer.encode, arrivals.times, max_model_len=context_limit,
             max_tokens=args.max_tokens, seed=args.seed, context_tokens=arrivals.context_tokens,
             generated_tokens=arrivals.generated_tokens, context_scale=args.context_scale,
             max_prompt_tokens=args.max_prompt_tokens)
         prompt_lens = [len(r.prompt_token_ids) for r in requests]
         output_lens = [r.max_tokens for r in requests]
+        turn_lens = []
         print(f"{len(requests)} requests ({arrivals.label}, {args.workload} prompts), "
               f"{sum(prompt_lens)} prompt tokens, {sum(output_lens)} output tokens budgeted; "
-              f"policies: {', '.join(p['label'] for p in policies)}", file=sys.stderr)
+              f"policies: {labels}", file=sys.stderr)
+    return BenchRequests(requests, prompt_lens, output_lens, turn_lens,
+                         first.rc.max_model_len, context_limit, model_info)
 
+
+def run_rounds(args: argparse.Namespace, plan: BenchPlan, requests, first: list) -> list[dict]:
+    """Every policy run in every round, on identical requests. ``first`` holds the first
+    policy's engine, built but not compiled; it is taken out of the list, so that nothing
+    keeps it (and its device memory) once its run is over: every later run builds its own."""
     runs = []
     # palindromic rounds: a drift of the machine's speed that is linear in time cancels in the
     # means over rounds 1 and 2
     order = [(rnd, policy) for rnd in range(1, args.rounds + 1)
-             for policy in (policies if rnd % 2 else policies[::-1])]
+             for policy in (plan.policies if rnd % 2 else plan.policies[::-1])]
     for i, (rnd, policy) in enumerate(order):
-        engine = None
+        engine = compile_s = None
         if i == 0:
+            engine = first.pop()
             t = time.perf_counter()
-            first.warmup()
-            engine, first = first, None
+            engine.warmup()
             compile_s = time.perf_counter() - t
-        result = run_policy(policy, args, engine_kwargs, requests, engine=engine)
-        if i == 0:
+        result = run_policy(policy, args, plan.engine_kwargs, requests, engine=engine)
+        if compile_s is not None:
             result["compile_s"] = compile_s
         result["round"] = rnd
         if args.rounds > 1:
             result["label"] = f"{policy['label']} r{rnd}"
             result["policy_label"] = policy["label"]
         runs.append(result)
-        m = result["metrics"]
-        print(f"{result['label']}: {m['output_tokens_per_s']:.1f} tok/s, "
-              f"TPOT p90 {_fmt(m['tpot_s']['p90'], '.2f', 1e3)} ms, "
-              f"acceptance {m['acceptance_rate']:.3f}, {m['num_preemptions']} preemptions"
-              + (f", {m['num_pool_expansions']} expansions / {m['num_pool_contractions']} "
-                 f"contractions" if result["engine_options"].get("elastic_memory") else "")
-              + (f", TTFT p50 first turn {_fmt(ttft_p50(m, 'first'), '.1f', 1e3)} ms / later "
-                 f"turns {_fmt(ttft_p50(m, 'later'), '.1f', 1e3)} ms, "
-                 f"{m['conversations']['num_truncated']} conversations truncated"
-                 if multiturn else "")
-              + (f", prefix-cache hit rate {m['prefix_cache_hit_rate']:.3f}"
-                 if m.get("prefix_cache_hit_rate") is not None else "")
-              + f" (compiled in {result['compile_s']:.1f} s, "
-              f"ran {result['wall_s']:.1f} s, send lag p99 "
-              f"{_fmt(result['submit_lag_s']['p99'], '.1f', 1e3)} ms)", file=sys.stderr)
-        # the driver shares the interpreter with the engine thread; a late send is charged to
-        # the request's latency (arrival = scheduled time), so say when that was material
-        lag = result["submit_lag_s"]["p99"]
-        if lag is not None and lag > 0.05:
-            print(f"warning: under {policy['label']} the driver sent requests late (p99 "
-                  f"{lag * 1e3:.0f} ms after their arrival time; counted in their latency)",
-                  file=sys.stderr)
-    summary = summarize_rounds(runs) if args.rounds > 1 else None
-    rows = comparison(summary or runs)
-    cache_rows = prefix_cache_comparison(summary or runs)
-    if synthetic is not None:
-        print(synthetic_banner(args, synthetic))
-    if summary is None:
-        print(format_table(runs, rows))
+        print_run(result, plan.multiturn)
+    return runs
+
+
+def print_run(result: dict, multiturn: bool) -> None:
+    """One run's line on stderr, and a warning when the driver sent requests late."""
+    m = result["metrics"]
+    print(f"{result['label']}: {m['output_tokens_per_s']:.1f} tok/s, "
+          f"TPOT p90 {_fmt(m['tpot_s']['p90'], '.2f', 1e3)} ms, "
+          f"acceptance {m['acceptance_rate']:.3f}, {m['num_preemptions']} preemptions"
+          + (f", {m['num_pool_expansions']} expansions / {m['num_pool_contractions']} "
+             f"contractions" if result["engine_options"].get("elastic_memory") else "")
+          + (f", TTFT p50 first turn {_fmt(ttft_p50(m, 'first'), '.1f', 1e3)} ms / later "
+             f"turns {_fmt(ttft_p50(m, 'later'), '.1f', 1e3)} ms, "
+             f"{m['conversations']['num_truncated']} conversations truncated"
+             if multiturn else "")
+          + (f", prefix-cache hit rate {m['prefix_cache_hit_rate']:.3f}"
+             if m.get("prefix_cache_hit_rate") is not None else "")
+          + f" (compiled in {result['compile_s']:.1f} s, "
+          f"ran {result['wall_s']:.1f} s, send lag p99 "
+          f"{_fmt(result['submit_lag_s']['p99'], '.1f', 1e3)} ms)", file=sys.stderr)
+    # the driver shares the interpreter with the engine thread; a late send is charged to
+    # the request's latency (arrival = scheduled time), so say when that was material
+    lag = result["submit_lag_s"]["p99"]
+    if lag is not None and lag > 0.05:
+        print(f"warning: under {result.get('policy_label', result['label'])} the driver sent "
+              f"requests late (p99 {lag * 1e3:.0f} ms after their arrival time; counted in "
+              f"their latency)", file=sys.stderr)
+
+
+@dataclasses.dataclass
+class BenchReport:
+    """The runs and the tables comparing them."""
+
+    runs: list[dict]
+    summary: list[dict] | None  # --rounds > 1: one row per policy over its rounds
+    rows: list[dict]  # the comparison of the summary's rows, else of the runs
+    cache_rows: list[dict]  # with / without prefix caching (--prefix-caching both)
+
+    @classmethod
+    def of(cls, runs: list[dict], rounds: int) -> "BenchReport":
+        summary = summarize_rounds(runs) if rounds > 1 else None
+        return cls(runs, summary, comparison(summary or runs),
+                   prefix_cache_comparison(summary or runs))
+
+
+def print_report(args: argparse.Namespace, plan: BenchPlan, report: BenchReport) -> None:
+    """The comparison tables on stdout (with several rounds: every run's, then the means)."""
+    if plan.synthetic is not None:
+        print(synthetic_banner(args, plan.synthetic))
+    if report.summary is None:
+        print(format_table(report.runs, report.rows))
     else:
-        print(format_table(runs, comparison(runs)))
+        print(format_table(report.runs, comparison(report.runs)))
         print(f"\nmeans over {args.rounds} rounds (policy order reversed every other round):")
-        print(format_table(summary, rows))
-        for row in summary:
+        print(format_table(report.summary, report.rows))
+        for row in report.summary:
             print(f"  {row['label']}: tok/s by round "
                   + ", ".join(f"{x:.1f}" for x in row["output_tokens_per_s_by_round"]))
-    if cache_rows:
-        print(format_prefix_cache_comparison(cache_rows))
+    if report.cache_rows:
+        print(format_prefix_cache_comparison(report.cache_rows))
 
+
+def results_document(args: argparse.Namespace, plan: BenchPlan, built: BenchRequests,
+                     report: BenchReport) -> dict:
+    """The JSON results (``FORMAT``): configuration, workload, arrivals and every run."""
+    synthetic = plan.synthetic
     results = {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -1116,37 +1274,49 @@ def run(args: argparse.Namespace) -> int:
             "label": synthetic_banner(args, synthetic), "shape": args.synthetic,
             **synthetic.describe()},
         "config": {"target": _model_label(args, "target"), "draft": _model_label(args, "draft"),
-                   **model_info, **engine_kwargs,
-                   "max_model_len": max_model_len, "context_limit": context_limit,
+                   **built.model_info, **plan.engine_kwargs,
+                   "max_model_len": built.max_model_len, "context_limit": built.context_limit,
                    "prefix_caching": args.prefix_caching,
                    "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                    "seed": args.seed, "device": _device()},
-        "workload": {"name": args.workload,
-                     "path": None if args.workload == "code" else
-                     str(args.workload_file or wl.default_path(args.workload)),
-                     "pool_size": len(prompts), "max_tokens": args.max_tokens,
-                     "max_prompt_tokens": args.max_prompt_tokens,
-                     "context_scale": args.context_scale,
-                     "prompt_tokens": summarize(prompt_lens),  # multiturn: first turns
-                     "output_tokens_budget": summarize(output_lens),
-                     **({"turns": turns, "think_time_s": args.think_time or 0.0,
-                         "num_conversations": len(requests),
-                         "turns_per_conversation": summarize(len(c.turns) for c in requests),
-                         "user_turn_tokens": summarize(turn_lens),
-                         "conversation_pool_index": [c.conversation_index for c in requests]}
-                        if multiturn else {})},
-        "arrivals": arrivals.describe(),
+        "workload": workload_description(args, plan, built),
+        "arrivals": plan.arrivals.describe(),
         "slo": {"tpot_s": args.tpot_slo_ms / 1e3,
                 "ttft_s": args.ttft_slo_ms / 1e3 if args.ttft_slo_ms is not None else None},
         "bin_seconds": args.bin_seconds_resolved,
         "rounds": args.rounds,
-        "runs": runs,
-        "comparison": rows,
+        "runs": report.runs,
+        "comparison": report.rows,
     }
     if args.prefix_caching == "both":
-        results["prefix_cache_comparison"] = cache_rows
-    if summary is not None:
-        results["summary"] = summary
+        results["prefix_cache_comparison"] = report.cache_rows
+    if report.summary is not None:
+        results["summary"] = report.summary
+    return results
+
+
+def workload_description(args: argparse.Namespace, plan: BenchPlan,
+                         built: BenchRequests) -> dict:
+    """The results' ``workload``: where the prompts came from and the requests' sizes."""
+    requests = built.requests
+    return {"name": args.workload,
+            "path": None if args.workload == "code" else
+            str(args.workload_file or wl.default_path(args.workload)),
+            "pool_size": len(plan.prompts), "max_tokens": args.max_tokens,
+            "max_prompt_tokens": args.max_prompt_tokens,
+            "context_scale": args.context_scale,
+            "prompt_tokens": summarize(built.prompt_lens),  # multiturn: first turns
+            "output_tokens_budget": summarize(built.output_lens),
+            **({"turns": plan.turns, "think_time_s": args.think_time or 0.0,
+                "num_conversations": len(requests),
+                "turns_per_conversation": summarize(len(c.turns) for c in requests),
+                "user_turn_tokens": summarize(built.turn_lens),
+                "conversation_pool_index": [c.conversation_index for c in requests]}
+               if plan.multiturn else {})}
+
+
+def write_outputs(args: argparse.Namespace, results: dict) -> None:
+    """The JSON file (``--out``) and the figures (``--plot DIR``)."""
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -1158,7 +1328,6 @@ def run(args: argparse.Namespace) -> int:
         for path in plot_results([results], args.plot, names=[
                 os.path.splitext(os.path.basename(args.out))[0] if args.out else "serving"]):
             print(f"wrote {path}", file=sys.stderr)
-    return 0
 
 
 def _json_default(o):

@@ -87,10 +87,6 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.error is None and self.finish is not None
 
-    def token_times(self) -> list[float]:
-        """Every output token's arrival time (tokens of one chunk share its time)."""
-        return [t for t, n in zip(self.chunk_times, self.chunk_tokens) for _ in range(n)]
-
     def ttft(self) -> float | None:
         first = self.first_token
         return None if first is None else first - self.arrival

@@ -23,8 +23,8 @@ directory's README for provenance and licences):
 
 A missing or malformed file is a ``ValueError`` that names the file (and the line or record).
 
-Sampling is deterministic: ``sample_prompts(prompts, n, seed)`` walks seeded permutations of the
-pool, a fresh one each time the pool is exhausted, so n larger than the pool repeats prompts
+Sampling is deterministic: ``sample_order(len(prompts), n, seed)`` walks seeded permutations of
+the pool, a fresh one each time the pool is exhausted, so n larger than the pool repeats prompts
 only after using every one.
 
 Length rule (``fit_lengths``), with L = the engine's ``max_model_len``:
@@ -305,10 +305,6 @@ def sample_order(pool_size: int, n: int, seed: int) -> np.ndarray:
         chunks.append(rng.permutation(pool_size))
         have += pool_size
     return np.concatenate(chunks)[:n] if chunks else np.zeros(0, np.int64)
-
-
-def sample_prompts(prompts: Sequence[Prompt], n: int, seed: int) -> list[Prompt]:
-    return [prompts[i] for i in sample_order(len(prompts), n, seed)]
 
 
 def fit_lengths(prompt_len: int, output_len: int, max_model_len: int, max_tokens: int,

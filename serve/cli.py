@@ -1,4 +1,7 @@
-"""`jspec serve`: an OpenAI-compatible HTTP server (the `serve/` package) over one model pair.
+"""`jspec serve`: an OpenAI-compatible HTTP server (this package) over one model pair.
+
+The jspec command finds this subcommand through the ``jspec.commands`` entry-point group
+(pyproject.toml), so the engine package imports nothing of the server.
 
 Without --target/--draft it serves the built-in default pair. The port is bound at once and
 GET /health answers 503 until the models are loaded and every shape bucket is compiled, then 200.
@@ -24,6 +27,7 @@ from jspec.cli_common import (add_engine_arguments, add_model_arguments,
                               describe_models, engine_kwargs, join_processes)
 from jspec.warmup import warmup
 
+HELP = "OpenAI-compatible HTTP server (needs the serve extra)"
 DEFAULT_MODEL_NAME = "jspec-default"
 
 
