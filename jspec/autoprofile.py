@@ -40,9 +40,10 @@ import numpy as np
 from jspec.policies.profile import FORMAT, StepProfile, model_signature
 from jspec.policies.static import StaticPolicy
 
-VERSION = 4  # bump when what is measured changes: older cached profiles are then ignored
-# (3: the catch-up points no longer include the draft reading a fresh sequence's prompt;
-# 4: a decode-only verify attends in one query tile per sequence, 1.1-1.6x cheaper at B >= 8)
+# Bump when what is measured changes: older cached profiles are then ignored. Version 4 times
+# catch-up lags without the draft reading a fresh sequence's prompt, and decode-only verifies
+# that attend in one query tile per sequence.
+VERSION = 4
 CONTEXT = 128
 CATCH_UP_LENS = (2, 8)
 STEPS = 3  # measured steps per (B, γ), after one settling step
@@ -146,18 +147,7 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     if batch_sizes[-1] != top:
         batch_sizes.append(top)
 
-    saved = (engine.policy, engine.metrics, engine.last_outcome, engine.last_step,
-             engine.stream_outputs, engine.time_stages, engine.elastic)
-    # elastic memory off while measuring: the grid's γ = 0 steps on a full pool must not
-    # offload the draft whose cost is being measured
-    engine.elastic = None
-    forced = ForcedGamma(max_gamma, saved[0].possible_gammas() | set(gammas))
-    # time_stages: the draft loop is waited for before verification is dispatched, so a
-    # step's draft_time is the loop's device time, not its dispatch; otherwise the draft's
-    # cost lands in target_time's γ > 0 entries and a verifier (AdaSpec's select) would think
-    # that dropping a drafted token saves the draft forward that produced it
-    engine.policy, engine.stream_outputs, engine.time_stages = forced, False, True
-    engine.reset_metrics()  # the profiling steps are not served
+    forced = ForcedGamma(max_gamma, engine.policy.possible_gammas() | set(gammas))
     target_time = np.zeros((len(batch_sizes), len(gammas), 1))
     draft_time = np.zeros((len(batch_sizes), 1))
     catch_up = np.zeros((len(CATCH_UP_LENS), len(batch_sizes)))
@@ -192,39 +182,41 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     def room() -> int:
         return cap - max(s.num_tokens for s in engine.scheduler.running) - 1
 
-    try:
-        for bi, batch in enumerate(batch_sizes):
-            fresh(batch)
-            for gi, gamma in enumerate(gammas):
-                if room() < need[gamma] + max_gamma:
-                    fresh(batch)
-                forced.gamma = gamma
-                engine.step()  # settle: the draft catches up after γ = 0, compiles if lazy
-                rest, drafts = [], []
-                for _ in range(steps):
-                    engine.step()
-                    o = engine.last_outcome
-                    rest.append(o.step_time - o.draft_time - o.catch_up_time)
-                    drafts.append(o.draft_time)
-                target_time[bi, gi, 0] = statistics.median(rest)
-                if gamma == max_gamma and gamma > 0:
-                    draft_time[bi, 0] = statistics.median(drafts) / engine.last_step.gamma
-            if max_gamma:
-                if room() < need_catch_up + max_gamma:
-                    fresh(batch)
-                    # the draft has not read the new prompts yet: one drafting step lets it,
-                    # or the first lag below would time the prompts' catch-up instead
-                    forced.gamma = 1
-                    engine.step()
-                for ci, lag in enumerate(CATCH_UP_LENS):
-                    catch_up[ci, bi] = _catch_up_step(engine, forced, lag).catch_up_time
-    finally:
-        if ids:
-            engine.abort_request(ids)
-            engine.step()
-        (engine.policy, engine.metrics, engine.last_outcome, engine.last_step,
-         engine.stream_outputs, engine.time_stages, engine.elastic) = saved
-        engine._pending_outputs.clear()
+    # measuring: every stage is synced, so a step's draft_time is the loop's device time, not
+    # its dispatch; otherwise the draft's cost lands in target_time's γ > 0 entries and a
+    # verifier (AdaSpec's select) would think that dropping a drafted token saves the draft
+    # forward that produced it. The profiling steps are not served (fresh metrics).
+    with engine.measuring(forced):
+        try:
+            for bi, batch in enumerate(batch_sizes):
+                fresh(batch)
+                for gi, gamma in enumerate(gammas):
+                    if room() < need[gamma] + max_gamma:
+                        fresh(batch)
+                    forced.gamma = gamma
+                    engine.step()  # settle: the draft catches up after γ = 0, compiles if lazy
+                    rest, drafts = [], []
+                    for _ in range(steps):
+                        engine.step()
+                        o = engine.last_outcome
+                        rest.append(o.step_time - o.draft_time - o.catch_up_time)
+                        drafts.append(o.draft_time)
+                    target_time[bi, gi, 0] = statistics.median(rest)
+                    if gamma == max_gamma and gamma > 0:
+                        draft_time[bi, 0] = statistics.median(drafts) / engine.last_step.gamma
+                if max_gamma:
+                    if room() < need_catch_up + max_gamma:
+                        fresh(batch)
+                        # the draft has not read the new prompts yet: one drafting step lets it,
+                        # or the first lag below would time the prompts' catch-up instead
+                        forced.gamma = 1
+                        engine.step()
+                    for ci, lag in enumerate(CATCH_UP_LENS):
+                        catch_up[ci, bi] = _catch_up_step(engine, forced, lag).catch_up_time
+        finally:
+            if ids:
+                engine.abort_request(ids)
+                engine.step()
     device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
     return StepProfile(model_signature(engine.target.cfg), model_signature(engine.draft.cfg),
                        device, str(engine.runner.kv_dtype), batch_sizes,

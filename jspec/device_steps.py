@@ -209,8 +209,8 @@ class IntermediateResult:
 def intermediate_verify(params: dict, kv: KVCache, batch: ModelInput, st: SamplingTensors,
                         draft: DraftResult, draft_slots: jax.Array, *, cfg: ModelConfig,
                         attention_fn, with_signal: bool = False):
-    """A middle model of a chain verifies the first model's draft (SpecRouter §4.2; papers.md
-    "Multi-level"): one forward over each row's pending tokens and the drafted tokens
+    """A middle model of a chain verifies the first model's draft (SpecRouter §4.2, multi-level
+    verification): one forward over each row's pending tokens and the drafted tokens
     (``input_batch.intermediate_input``), then ``intermediate_accept``. Returns (DraftResult for
     the target, IntermediateResult, kv)."""
     logits, kv = verify_forward(params, kv, batch, draft.tokens, draft_slots, cfg=cfg,

@@ -5,7 +5,7 @@ This module holds the host-side part: how many target blocks the draft's memory 
 controller that decides when to expand and when to contract (§5.1). The mechanics live where the
 state lives: ``BlockManager.expand`` / ``contraction_plan`` / ``contract`` (block ids),
 ``ModelRunner.offload_draft`` / ``expand_target_pool`` / ``contract_target_pool`` /
-``reload_draft`` (device memory), and ``LLMEngine`` ties them together once per step.
+``reload_draft`` (device memory), and ``ElasticController`` ties them together once per step.
 
 Two layouts of the extension (``EngineConfig.elastic_pool_layout``). Block ids keep one
 numbering either way: the extension's blocks follow the base's, and the block manager keeps them
@@ -35,7 +35,7 @@ What the draft frees. Its weights and its KV pool: in this engine a KV block hol
 and the draft's K/V for the same token slots (one block manager, one page table per sequence), so
 with the draft gone its half of every block is free too. The cost of dropping the draft's KV is
 Nightjar's switching cost: after the reload the draft catches up on every running sequence's
-context before it drafts again (``LLMEngine._catch_up``), which the policy's ``c_prefill``
+context before it drafts again (``jspec/proposers/draft_model.py``), which the policy's ``c_prefill``
 prices in through ``BatchView.pending_draft_tokens``.
 
 Triggers (§5.1), checked before every step:
@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 
 import jax
 
@@ -138,3 +139,74 @@ class ElasticMemory:
 
     def reloaded_now(self) -> None:
         self.state = DraftState.RESIDENT
+
+
+class ElasticController:
+    """Runs §5.1's decisions on the engine's parts once per step: finish a reload that has
+    landed, then expand (offload the draft, grow the target's pool) or contract (migrate the
+    extension's live blocks into the base, shrink the pool, reload the draft)."""
+
+    def __init__(self, memory: ElasticMemory, runner, block_manager, scheduler):
+        self.memory = memory
+        self.runner = runner
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.metrics = None  # the engine's EngineMetrics, set by the engine
+        self._reload_started = 0.0
+
+    @property
+    def draft_resident(self) -> bool:
+        return self.memory.draft_resident
+
+    @property
+    def state(self) -> DraftState:
+        return self.memory.state
+
+    def tick(self) -> None:
+        """Before a step (and once the engine falls idle)."""
+        e = self.memory
+        if e.state is DraftState.RELOADING and self.runner.draft_ready():
+            e.reloaded_now()
+            self.metrics.draft_reload_time += time.perf_counter() - self._reload_started
+        if e.should_expand():
+            self._expand()
+        elif e.should_contract(self.block_manager.num_free_blocks, self.scheduler.num_waiting):
+            self._contract()
+
+    def observe(self, has_decode: bool, gamma: int, max_num_seqs: int) -> None:
+        """After a step: its γ and the pool's state feed the expansion trigger."""
+        sched = self.scheduler
+        kv_bound = sched.num_waiting > 0 and sched.num_running < max_num_seqs
+        self.memory.observe_step(has_decode, gamma, self.block_manager.num_free_blocks,
+                                 kv_bound)
+
+    def _expand(self) -> None:
+        t0 = time.perf_counter()
+        self.runner.offload_draft()
+        self.runner.expand_target_pool()
+        self.block_manager.expand()
+        # the draft's K/V went with it: after the reload it catches up from the first token
+        for seq in self.scheduler.running:
+            seq.forget_draft_kv()
+        self.block_manager.forget_pool_models()
+        self.memory.expanded_now()
+        self.metrics.num_pool_expansions += 1
+        self.metrics.pool_expansion_time += time.perf_counter() - t0
+
+    def _contract(self) -> None:
+        bm = self.block_manager
+        t0 = time.perf_counter()
+        moves = bm.contraction_plan()
+        if moves is None:  # cannot happen while free > extension + τ_low; wait if it does
+            return
+        self.runner.contract_target_pool(moves)
+        bm.contract(moves)
+        jax.block_until_ready(self.runner.target_kv)
+        t1 = time.perf_counter()
+        self.runner.reload_draft()
+        self._reload_started = t2 = time.perf_counter()
+        self.memory.contracted_now()
+        self.metrics.num_pool_contractions += 1
+        self.metrics.num_migrated_blocks += len(moves)
+        self.metrics.pool_contraction_time += t1 - t0
+        self.metrics.draft_reload_dispatch_time += t2 - t1

@@ -29,6 +29,7 @@ class StepState:
     plan: DraftPlan | None = None
     gamma: int = 0  # the γ bucket: 0 means no draft work and no draft tensors at all
     chain: tuple[int, ...] = ()  # the pool models drafting this step (DraftPlan.chain)
+    proposer: Any = None  # the chain's jspec.proposers.Proposer (None when nothing drafts)
     table: np.ndarray | None = None  # page table [num_rows, max_pages]
     sampling: Any = None  # SamplingTensors [num_rows]
     draft: Any = None  # DraftResult (device), when the step drafted
@@ -55,6 +56,7 @@ class StepState:
     # row fed (-1: the host's), and whether this step's sequences hold PENDING_TOKEN now
     carry_rows: np.ndarray | None = None
     held: bool = False
+    tokens: np.ndarray | None = None  # the sampled tokens [S, G + 1], once fetched
 
     @property
     def wants_logprobs(self) -> bool:
@@ -78,12 +80,27 @@ class StepState:
     def draft_logits(self):
         return None if self.draft is None else self.draft.logits
 
+    def drop_device_buffers(self) -> None:
+        """Let go of the step's device outputs once they are committed."""
+        self.result = self.logits = self.signals = self.logprobs = None
+
     def row_gammas(self) -> np.ndarray:
         """Verified draft slots per padded row (0 for prefill and padding rows)."""
         out = np.zeros(self.num_rows, np.int64)
         for i in self.decode_idx.tolist():
             out[i] = self.rows[i].gamma_verify
         return out
+
+
+@dataclasses.dataclass
+class Fetched:
+    """A step's results on the host (the step's one host<-device transfer): the VerifyResult,
+    the policy's signals, drafted tokens per row and the requested logprobs."""
+
+    result: Any
+    signals: Any
+    drafted: Any
+    logprobs: Any
 
 
 class StageClock:

@@ -126,14 +126,14 @@ def test_eos_stops_unless_ignore_eos(tiny_llm):
     eos = full.token_ids[3]
     cut = full.token_ids.index(eos) + 1
     engine = tiny_llm.engine
-    saved = engine.eos_token_ids
-    engine.eos_token_ids = {eos}
+    saved = engine.outputs.eos_token_ids
+    engine.outputs.eos_token_ids = {eos}
     try:
         (stopped,) = tiny_llm.generate(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0),
                                        use_tqdm=False)
         (ignored,) = tiny_llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)
     finally:
-        engine.eos_token_ids = saved
+        engine.outputs.eos_token_ids = saved
     assert stopped.finish_reason == "stop" and stopped.token_ids == full.token_ids[:cut]
     assert ignored.finish_reason == "length" and ignored.token_ids == full.token_ids
 

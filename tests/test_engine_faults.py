@@ -47,8 +47,8 @@ STAGES = {
     "draft": (lambda e: [(e.runner, "run_draft")], None),
     "verify": (lambda e: [(e.runner, "run_verify_forward"), (e.runner, "run_verify_accept")],
                _delete_target_pool),
-    # inside the commit, after the sequence's counters moved and before its token is appended
-    "commit": (lambda e: [(e, "_append")], None),
+    # inside the commit, after the sequence's counters moved and its first token was appended
+    "commit": (lambda e: [(e.outputs, "check_stop")], None),
 }
 
 
@@ -264,7 +264,7 @@ def test_a_fault_in_the_server_fails_only_its_request(tiny_pair, monkeypatch, ca
 FAILING_SERVE = textwrap.dedent("""
     import sys
     from jspec import cli
-    from jspec.engine import LLMEngine
+    from jspec.commit import Committer
 
     class InjectedFault(RuntimeError):
         pass
@@ -272,7 +272,7 @@ FAILING_SERVE = textwrap.dedent("""
     def fault(self, *args, **kwargs):
         raise InjectedFault("injected into the commit stage")
 
-    LLMEngine._commit = fault
+    Committer.commit = fault
     sys.exit(cli.main(sys.argv[1:]))  # argv: "serve" and its flags
 """)
 
@@ -298,6 +298,6 @@ def test_jspec_serve_exits_1_with_the_traceback_in_its_log(tiny_pair, keep_alive
         assert proc.wait() == 1, proc.log()
         log = proc.log()
         assert "jspec serve: the engine failed; failing the requests in flight (1)" in log, log
-        assert "Traceback" in log and "in _complete" in log and "in fault" in log, log
+        assert "Traceback" in log and "in complete" in log and "in fault" in log, log
         assert "InjectedFault: injected into the commit stage" in log, log
         assert "exiting with code 1" in log, log

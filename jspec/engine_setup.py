@@ -1,0 +1,100 @@
+"""What an engine is built from, checked: the draft pool, the chains the policy may play, the
+KV cache's dtype and size, and elastic memory's extension."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jspec.config import EngineConfig, ResolvedConfig, resolve
+from jspec.elastic import ElasticMemory, extension_blocks, tree_bytes
+from jspec.platform import device_free_bytes
+from jspec.runner import LoadedModel
+from jspec.models.sharding import check_shardable
+from jspec.models.transformer import KVCache
+from jspec.policies import Policy
+
+
+def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
+    """The draft models as a pool, smallest first (by parameter count: SpecRouter's chains run
+    from small to large), each sharing the target's vocabulary and named uniquely."""
+    if draft is None:
+        return []
+    pool = [draft] if isinstance(draft, LoadedModel) else list(draft)
+    for m in pool:
+        if not isinstance(m, LoadedModel):
+            raise ValueError(f"a draft must be a LoadedModel, got {type(m).__name__}")
+        if m.cfg.vocab_size != target.cfg.vocab_size:
+            which = "draft" if len(pool) == 1 else f"draft {m.name!r}"
+            raise ValueError(
+                f"{which} vocabulary ({m.cfg.vocab_size} tokens) differs from the target's "
+                f"({target.cfg.vocab_size}); speculative decoding needs a shared vocabulary")
+    pool.sort(key=lambda m: m.cfg.num_params())
+    names = [m.name for m in pool]
+    if len(set(names)) < len(names):
+        # same basename from different directories: number them, smallest first
+        for i, m in enumerate(pool):
+            pool[i] = dataclasses.replace(m, name=f"{m.name}{i}")
+    return pool
+
+
+def check_chains(policy: Policy, pool_size: int) -> frozenset[tuple[int, ...]]:
+    """The chains the policy may play, checked against the pool: indices in range, strictly
+    increasing (each level a larger model than the one it verifies), at most two drafts."""
+    if not pool_size:
+        return frozenset()
+    chains = frozenset(tuple(int(m) for m in c) for c in policy.possible_chains())
+    for c in chains:
+        if (len(c) > 2 or any(not 0 <= m < pool_size for m in c)
+                or any(a >= b for a, b in zip(c, c[1:]))):
+            raise ValueError(f"policy {policy.name!r} may play chain {c}, which the pool of "
+                             f"{pool_size} draft(s) cannot run (pool indices, smallest model "
+                             f"first, increasing, at most two drafts)")
+    return chains
+
+
+def check_pool(config: EngineConfig, pool: list[LoadedModel]) -> None:
+    if len(pool) > 1 and config.elastic_memory:
+        raise ValueError("elastic_memory offloads one draft model; it does not support a "
+                         f"pool of {len(pool)} drafts yet")
+    if len(pool) > 1 and config.synthetic_acceptance is not None:
+        raise ValueError("synthetic_acceptance models one draft's acceptance; it does not "
+                         f"support a pool of {len(pool)} drafts")
+    if config.elastic_memory and not pool:
+        raise ValueError("elastic_memory offloads the draft model to grow the KV cache; "
+                         "it needs a draft")
+
+
+def kv_dtype_of(config: EngineConfig, target: LoadedModel) -> np.dtype:
+    """The KV cache takes the models' dtype unless one is forced."""
+    if config.dtype == "auto":
+        return np.dtype(jax.tree_util.tree_leaves(target.params)[0].dtype)
+    return np.dtype(jax.numpy.dtype(config.dtype))
+
+
+def size_cache(config: EngineConfig, target: LoadedModel, pool: list[LoadedModel],
+               kv_dtype) -> tuple[ResolvedConfig, ElasticMemory | None]:
+    """The resolved configuration (KV blocks, buckets) and, with elastic memory, its
+    controller state sized to the draft's memory in target blocks."""
+    # tensor parallel: each device holds 1/N of the target's KV heads (models/sharding.py),
+    # so block bytes, the memory budget and the free memory are all per device
+    tp = config.tensor_parallel_size
+    if tp > 1:
+        check_shardable(target.cfg, tp)
+    target_block_bytes = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
+    # every pool model keeps its own KV pool over the same block ids
+    draft_block_bytes = sum(KVCache.bytes_per_block(m.cfg, config.block_size, kv_dtype)
+                            for m in pool)
+    # on an accelerator the pool is sized from the memory left once the weights are loaded
+    free = device_free_bytes() if config.num_kv_blocks is None else None
+    rc = resolve(config, target.cfg.max_position_embeddings,
+                 target_block_bytes // tp + draft_block_bytes, free)
+    if not config.elastic_memory:
+        return rc, None
+    num_ext = extension_blocks(tree_bytes(pool[0].params), draft_block_bytes,
+                               target_block_bytes, rc.num_kv_blocks)
+    rc = dataclasses.replace(rc, num_extension_blocks=num_ext)
+    return rc, ElasticMemory(rc.num_kv_blocks - 1, num_ext, config.elastic_low_watermark,
+                             config.elastic_persist_steps)

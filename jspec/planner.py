@@ -1,0 +1,169 @@
+"""The plan of a step: which rows run, the policy's draft length per decoding row (clipped to
+what the request, the KV reservation and the draft's residency allow), the draft chain, the γ
+bucket, and the host-side tensors every device call of the step shares.
+
+The planner is the engine's only caller of the policy's ``plan`` and ``select``; it writes the
+step's ``StepState`` (rows, plan, γ) and nothing of the sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jspec import input_batch as ib
+from jspec.config import ResolvedConfig, gamma_bucket
+from jspec.policies import BatchView, DraftStats, Policy
+from jspec.step_state import StepState
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """What the engine can speculate with: the compiled γ buckets, a proposer per chain the
+    policy may play (``DraftPlan.chain``), Γmax, and whether any plan can draft at all."""
+
+    gamma_buckets: tuple[int, ...]
+    chains: frozenset[tuple[int, ...]]
+    proposers: dict  # chain -> jspec.proposers.Proposer
+    max_gamma: int
+    drafts: bool  # False: no draft, or a policy that only ever plans γ = 0
+
+
+class Planner:
+    def __init__(self, rc: ResolvedConfig, scheduler, block_manager, policy: Policy,
+                 spec: Speculation):
+        self.rc = rc
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.policy = policy
+        self.spec = spec
+        self.metrics = None  # the engine's EngineMetrics (policy time), set by the engine
+        # a policy decision: the leader's on every process of a multi-process run
+        self.decide: Callable[[Callable], object] = lambda fn: fn()
+        self.draft_resident: Callable[[], bool] = lambda: True
+
+    def plan(self, sched) -> StepState:
+        """The step's rows, the policy's plan (γ per decoding row, clipped), the γ bucket and
+        the device inputs."""
+        rows = [ib.RowWork(s.seq, s.num_new_tokens, s.is_decode, s.samples, s.num_lookahead_slots)
+                for s in sched.scheduled]
+        decode_idx = np.array([i for i, r in enumerate(rows) if r.is_decode], np.int64)
+        num_prefill_tokens = sum(r.num_new_tokens for r in rows if not r.is_decode)
+        st = StepState(rows=rows, decode_idx=decode_idx,
+                       num_rows=self.row_bucket(rows, decode_idx),
+                       num_prefill_tokens=num_prefill_tokens)
+        st.view = self.batch_view(st)
+        if len(decode_idx) and self.spec.chains and self.spec.drafts:
+            t_policy = time.perf_counter()
+            st.plan = self.decide(lambda: self.policy.plan(st.view))
+            self.metrics.policy_time += time.perf_counter() - t_policy
+            self.metrics.policy_calls += 1
+            self._apply_plan(st)
+            self._reclaim(sched, st)
+        self.device_inputs(st)
+        return st
+
+    def device_inputs(self, st: StepState) -> None:
+        """The γ bucket, page table and sampling tensors of the planned rows: what every device
+        call of the step shares."""
+        st.gamma = gamma_bucket(self.spec.gamma_buckets,
+                                max((r.gamma_planned for r in st.decode_rows), default=0))
+        st.table = ib.page_tables(st.rows, st.num_rows, self.rc.max_pages, self.block_manager)
+        st.sampling = ib.sampling_tensors(st.rows, st.num_rows)
+        if not st.gamma:
+            st.chain = ()
+        st.proposer = self.spec.proposers[st.chain] if st.chain else None
+
+    def row_bucket(self, rows, decode_idx) -> int:
+        """The row bucket a step pads to; steps that carry prefill run at the widest one
+        (config.ResolvedConfig)."""
+        return (self.rc.seq_bucket(len(rows)) if len(decode_idx) == len(rows)
+                else self.rc.seq_buckets[-1])
+
+    def _reclaim(self, sched, st: StepState) -> None:
+        """Spend the lookahead budget the plan left unused on prefill (Scheduler.reclaim): a
+        policy that plans γ = 0 under load must not slow prefill down to the pace of Γmax."""
+        kept = [r.gamma_planned if r.is_decode else 0 for r in st.rows]
+        if not self.scheduler.reclaim(sched, kept):
+            return
+        rows = st.rows
+        for i, s in enumerate(sched.scheduled):
+            if i >= len(rows):  # admitted: a prefill chunk
+                rows.append(ib.RowWork(s.seq, s.num_new_tokens, s.is_decode, s.samples,
+                                       s.num_lookahead_slots))
+            elif not rows[i].is_decode:  # a prefill chunk that grew
+                rows[i].num_new_tokens, rows[i].samples = s.num_new_tokens, s.samples
+        st.num_prefill_tokens = sum(r.num_new_tokens for r in rows if not r.is_decode)
+        st.num_rows = self.row_bucket(rows, st.decode_idx)
+
+    def _apply_plan(self, st: StepState) -> None:
+        plan, policy = st.plan, self.policy
+        decode_rows = st.decode_rows
+        if len(plan.gammas) != len(decode_rows):
+            raise RuntimeError(f"policy {policy.name!r} planned {len(plan.gammas)} "
+                               f"draft lengths for {len(decode_rows)} decoding sequences")
+        if (plan.stop_confidence is not None or plan.stop_entropy is not None) \
+                and not policy.wants_draft_stats:
+            raise RuntimeError(f"policy {policy.name!r} sets a draft stop rule but does not "
+                               f"declare draft_stops = True (the draft loop is compiled without "
+                               f"confidence and entropy)")
+        chain = tuple(int(m) for m in plan.chain)
+        if chain and chain not in self.spec.chains:
+            raise RuntimeError(f"policy {policy.name!r} planned chain {chain}, which is not "
+                               f"among its possible_chains() {sorted(self.spec.chains)}")
+        st.chain = chain
+        resident = self.draft_resident() and bool(chain)
+        for row, gamma in zip(decode_rows, plan.gammas.tolist()):
+            seq = row.seq
+            # never draft past the request's last token or the reserved KV slots, and never
+            # while the draft is away
+            room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1 if resident else 0
+            row.gamma_planned = row.gamma_verify = max(0, min(int(gamma), room, row.lookahead))
+        if not any(r.gamma_planned for r in decode_rows):
+            st.chain = ()
+
+    def select(self, st: StepState) -> None:
+        """Let the policy trim the verify lengths after seeing the draft (one host sync)."""
+        if not self.policy.wants_select:
+            return
+        idx = st.decode_idx
+        drafted, conf, ent = jax.device_get((st.draft.num_drafted, st.draft.confidence,
+                                             st.draft.entropy))
+        stats = DraftStats(num_drafted=drafted[idx], confidence=conf[idx],
+                           draft_entropy=ent[idx])
+        t_policy = time.perf_counter()
+        lens = self.decide(lambda: self.policy.select(st.view, stats))
+        self.metrics.policy_time += time.perf_counter() - t_policy
+        if lens is None:
+            return
+        lens = np.minimum(np.maximum(np.asarray(lens, np.int64), 0), drafted[idx])
+        out = np.array(drafted, np.int32)
+        for row, i, n in zip(st.decode_rows, idx, lens.tolist()):
+            # verify only the kept prefix; the slots past it are dropped from the target batch
+            row.gamma_verify = n
+            out[i] = n
+        st.num_drafted = out
+
+    def batch_view(self, st: StepState) -> BatchView:
+        decode_rows = st.decode_rows
+        scheduler, bm = self.scheduler, self.block_manager
+        return BatchView(
+            request_ids=[r.seq.request_id for r in decode_rows],
+            context_lens=np.array([r.seq.num_tokens for r in decode_rows], np.int64),
+            pending_draft_tokens=np.array(
+                [r.seq.num_tokens - r.seq.num_draft_computed for r in decode_rows], np.int64),
+            batch_size=len(st.rows),
+            num_prefill_tokens=st.num_prefill_tokens,
+            num_waiting=scheduler.num_waiting,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_usable_blocks,
+            draft_resident=self.draft_resident(),
+            max_gamma=self.spec.max_gamma,
+            remaining_tokens=np.array(
+                [r.seq.sampling_params.max_tokens - r.seq.num_output_tokens
+                 for r in decode_rows], np.int64),
+        )
