@@ -10,6 +10,45 @@ from jspec.block_manager import PrefixCacheStats
 from jspec.policies.base import StepOutcome, batch_bucket, chain_label
 
 
+@dataclasses.dataclass(frozen=True)
+class SpecCounts:
+    """One decoding step's speculation counts, the definitions of vLLM's ``spec_decode_*``
+    metrics: what ``EngineMetrics`` and the server's Prometheus exporter (serve/metrics.py) both
+    add up. A sequence-step drafted when it sent draft tokens to verification."""
+
+    gamma_counts: np.ndarray  # [max_gamma + 1] sequence-steps per γ planned (beyond Γmax clipped)
+    num_drafts: int  # sequence-steps that drafted
+    num_draft_tokens: int  # drafted tokens sent to verification
+    num_accepted_tokens: int  # by the drafting sequence-steps
+    num_emitted_tokens: int  # by the drafting sequence-steps
+    accepted_per_position: np.ndarray  # [max_gamma] position k: drafts that accepted > k tokens
+
+    @classmethod
+    def of(cls, outcome: StepOutcome, max_gamma: int) -> SpecCounts:
+        return cls.count(outcome.gammas, outcome.num_verified, outcome.num_accepted,
+                         outcome.num_emitted, max_gamma)
+
+    @classmethod
+    def count(cls, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
+              num_emitted: np.ndarray, max_gamma: int) -> SpecCounts:
+        """The counts of the per-sequence arrays of one step (``StepOutcome``'s)."""
+        # bincounts, not np.add.at or a loop per sequence: this runs on every decoding step
+        size = max_gamma + 1
+        gamma_counts = np.bincount(np.minimum(gammas, max_gamma), minlength=size)
+        drafting = num_verified > 0
+        if not drafting.any():
+            return cls(gamma_counts, 0, 0, 0, 0, np.zeros(max_gamma, np.int64))
+        accepted = num_accepted[drafting]
+        # position k counts the drafts that accepted more than k tokens
+        at_least = np.cumsum(np.bincount(np.minimum(accepted, max_gamma),
+                                         minlength=size)[::-1])[::-1]
+        return cls(gamma_counts=gamma_counts, num_drafts=int(drafting.sum()),
+                   num_draft_tokens=int(num_verified.sum()),
+                   num_accepted_tokens=int(accepted.sum()),
+                   num_emitted_tokens=int(num_emitted[drafting].sum()),
+                   accepted_per_position=at_least[1:])
+
+
 @dataclasses.dataclass
 class EngineMetrics:
     max_gamma: int
@@ -79,36 +118,27 @@ class EngineMetrics:
         for stage, seconds in outcome.stage_times.items():
             self.stage_time[stage] = self.stage_time.get(stage, 0.0) + seconds
         if outcome.num_decode:
-            self.record_spec(outcome.gammas, outcome.num_verified, outcome.num_accepted,
-                             outcome.num_emitted, outcome.batch_size)
+            self.record_spec(SpecCounts.of(outcome, self.max_gamma), outcome.batch_size)
             label = self.chain_label(outcome.chain)
             self.chain_histogram[label] = self.chain_histogram.get(label, 0) + 1
             hist = self.chain_histogram_by_batch.setdefault(batch_bucket(outcome.batch_size), {})
             hist[label] = hist.get(label, 0) + 1
 
-    def record_spec(self, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
-                    num_emitted: np.ndarray, batch_size: int = 0) -> None:
-        # bincounts, not np.add.at or a loop per sequence: this runs on every decoding step
-        size = self.max_gamma + 1
-        counts = np.bincount(np.minimum(gammas, self.max_gamma), minlength=size)
-        self.gamma_histogram += counts
+    def record_spec(self, counts: SpecCounts, batch_size: int = 0) -> None:
+        """Fold in one decoding step's speculation counts (``SpecCounts.of``)."""
+        self.gamma_histogram += counts.gamma_counts
         bucket = batch_bucket(batch_size)
         hist = self.gamma_histogram_by_batch.get(bucket)
         if hist is None:
-            hist = self.gamma_histogram_by_batch[bucket] = np.zeros(size, np.int64)
-        hist += counts
-        drafting = num_verified > 0
-        if not drafting.any():
+            hist = self.gamma_histogram_by_batch[bucket] = np.zeros(self.max_gamma + 1, np.int64)
+        hist += counts.gamma_counts
+        if not counts.num_drafts:
             return
-        accepted = num_accepted[drafting]
-        self.spec_decode_num_drafts += int(drafting.sum())
-        self.spec_decode_num_draft_tokens += int(num_verified.sum())
-        self.spec_decode_num_accepted_tokens += int(accepted.sum())
-        self.spec_decode_num_emitted_tokens += int(num_emitted[drafting].sum())
-        # position k counts the drafts that accepted more than k tokens
-        at_least = np.cumsum(np.bincount(np.minimum(accepted, self.max_gamma),
-                                         minlength=size)[::-1])[::-1]
-        self.accepted_per_position += at_least[1:]
+        self.spec_decode_num_drafts += counts.num_drafts
+        self.spec_decode_num_draft_tokens += counts.num_draft_tokens
+        self.spec_decode_num_accepted_tokens += counts.num_accepted_tokens
+        self.spec_decode_num_emitted_tokens += counts.num_emitted_tokens
+        self.accepted_per_position += counts.accepted_per_position
 
     @property
     def acceptance_rate(self) -> float:

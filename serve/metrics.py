@@ -33,11 +33,11 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-import numpy as np
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jspec.metrics import SpecCounts
 from jspec.policies.base import STAGES, StepOutcome, batch_bucket, chain_label
 
 logger = logging.getLogger("jspec.serve")
@@ -275,9 +275,6 @@ class ServerMetrics:
             self.gamma_last_step.set(0.0)
             return
         self.gamma_last_step.set(float(o.gammas.mean()))
-        # the definitions of EngineMetrics.record_spec
-        g = self._max_gamma
-        gamma_counts = np.bincount(np.minimum(o.gammas, g), minlength=g + 1).tolist()
         bucket = batch_bucket(o.batch_size)
         key = (o.chain, bucket)
         child = self._chains.get(key)
@@ -285,29 +282,30 @@ class ServerMetrics:
             label = chain_label(self._pool, o.chain)
             child = self._chains[key] = self.spec_chain.labels(label, str(bucket))
         child.inc()
+        self._observe_spec(SpecCounts.of(o, self._max_gamma), bucket)
+
+    def _observe_spec(self, counts: SpecCounts, bucket: int) -> None:
+        """Fold in one decoding step's speculation counts (the ones EngineMetrics adds up)."""
         by_batch = self._by_batch.get(bucket)
         if by_batch is None:  # a new batch-size bucket: all its γ series appear at once
             by_batch = self._by_batch[bucket] = [
-                self.spec_gamma_by_batch.labels(str(bucket), str(k)) for k in range(g + 1)]
-        for k, count in enumerate(gamma_counts):
+                self.spec_gamma_by_batch.labels(str(bucket), str(k))
+                for k in range(self._max_gamma + 1)]
+        for k, count in enumerate(counts.gamma_counts.tolist()):
             if count:
                 self._gamma[k].inc(count)
                 by_batch[k].inc(count)
-        drafting = o.num_verified > 0
-        if not drafting.any():
+        if not counts.num_drafts:
             return
-        accepted = o.num_accepted[drafting]
-        for counters, value in (((self.spec_drafts, self.vllm_spec_drafts), drafting.sum()),
-                                ((self.spec_draft_tokens, self.vllm_spec_draft_tokens),
-                                 o.num_verified.sum()),
-                                ((self.spec_accepted_tokens, self.vllm_spec_accepted_tokens),
-                                 accepted.sum()),
-                                ((self.spec_emitted_tokens,), o.num_emitted[drafting].sum())):
+        for counters, value in (
+                ((self.spec_drafts, self.vllm_spec_drafts), counts.num_drafts),
+                ((self.spec_draft_tokens, self.vllm_spec_draft_tokens), counts.num_draft_tokens),
+                ((self.spec_accepted_tokens, self.vllm_spec_accepted_tokens),
+                 counts.num_accepted_tokens),
+                ((self.spec_emitted_tokens,), counts.num_emitted_tokens)):
             for counter in counters:
-                counter.inc(int(value))
-        # position p counts the drafts that accepted more than p tokens
-        per_pos = (accepted[:, None] > np.arange(g)[None, :]).sum(axis=0).tolist()
-        for p, count in enumerate(per_pos):
+                counter.inc(value)
+        for p, count in enumerate(counts.accepted_per_position.tolist()):
             if count:
                 for counter in self._per_pos[p]:
                     counter.inc(count)

@@ -77,7 +77,7 @@ def test_burst_pattern_counts_per_period():
     b = A.burst(5.0, 4, duration=20)
     assert counts(b.times, [0, 5, 10, 15, 20]) == [4, 4, 4, 4]
     assert set(b.times.tolist()) == {0.0, 5.0, 10.0, 15.0}
-    with_base = A.burst(5.0, 4, duration=20, base_rate=1.0, process="regular")
+    with_base = A.burst(5.0, 4, duration=20, background=A.Background(1.0, "regular"))
     assert counts(with_base.times, [0, 5, 10, 15, 20]) == [9, 9, 9, 9]
     assert len(A.burst(2.0, 3, num_requests=7)) == 7
 
@@ -421,24 +421,27 @@ def test_sampling_and_length_fitting():
 def test_build_requests():
     prompts = [W.Prompt("abcdef", "x", "t", 0), W.Prompt("ghi", "y", "t", 1)]
     encode = lambda text: [ord(ch) for ch in text]  # noqa: E731
-    reqs = W.build_requests(prompts, encode, np.array([0.0, 1.0, 2.0]), max_model_len=8,
-                            max_tokens=3, seed=0)
+    reqs = W.build_requests(prompts, encode, np.array([0.0, 1.0, 2.0]),
+                            W.FitOptions(context_limit=8, max_tokens=3, seed=0))
     assert [r.arrival for r in reqs] == [0.0, 1.0, 2.0]
     assert all(r.max_tokens == 3 and len(r.prompt_token_ids) <= 5 for r in reqs)
     first = prompts[reqs[0].prompt_index]
     assert reqs[0].prompt_token_ids == encode(first.text)[:5]
     # a trace's context longer than the prompt continues with the next sampled prompts
-    trace = W.build_requests(prompts, encode, np.array([0.0, 0.5]), max_model_len=64,
-                             max_tokens=10, seed=1, context_tokens=np.array([7, 2]),
-                             generated_tokens=np.array([4, 50]), context_scale=1.0)
+    trace = W.build_requests(prompts, encode, np.array([0.0, 0.5]),
+                             W.FitOptions(context_limit=64, max_tokens=10, seed=1),
+                             W.TraceLengths(context_tokens=np.array([7, 2]),
+                                            generated_tokens=np.array([4, 50]),
+                                            context_scale=1.0))
     assert [len(r.prompt_token_ids) for r in trace] == [7, 2]
     assert [r.max_tokens for r in trace] == [4, 10]
     order = [r.prompt_index for r in trace]
     assert trace[0].prompt_token_ids == (encode(prompts[order[0]].text)
                                          + encode(prompts[order[1]].text))[:7]
-    halved = W.build_requests(prompts, encode, np.array([0.0]), max_model_len=64,
-                              max_tokens=10, context_tokens=np.array([8]),
-                              generated_tokens=np.array([2]), context_scale=0.5)
+    halved = W.build_requests(prompts, encode, np.array([0.0]),
+                              W.FitOptions(context_limit=64, max_tokens=10),
+                              W.TraceLengths(context_tokens=np.array([8]),
+                                             generated_tokens=np.array([2]), context_scale=0.5))
     assert len(halved[0].prompt_token_ids) == 4
 
 

@@ -87,8 +87,9 @@ def test_shipped_sharegpt_file_makes_grouped_conversations():
 def test_build_conversations_wraps_and_fits_messages():
     convs = [W.Conversation(("hello", "x" * 200, "bye"), "c", 0, (0, 1, 2))]
     bos = [1]
-    out = W.build_conversations(convs, encode, np.array([0.5, 2.0]), context_limit=128,
-                                max_tokens=16, seed=0, encode_first=lambda t: bos + encode(t))
+    out = W.build_conversations(convs, encode, np.array([0.5, 2.0]),
+                                W.FitOptions(context_limit=128, max_tokens=16, seed=0),
+                                encode_first=lambda t: bos + encode(t))
     assert [c.conversation_id for c in out] == [0, 1] and [c.arrival for c in out] == [0.5, 2.0]
     c = out[0]
     assert c.max_tokens == 16 and c.conversation_index == 0 and c.category == "c"
@@ -98,18 +99,20 @@ def test_build_conversations_wraps_and_fits_messages():
     # a message keeps its first L - o - (first turn's wrapper) tokens
     room = 128 - 16 - len(head) - len(tail)
     assert c.turns[1] == nxt + encode("x" * room) + tail
-    capped = W.build_conversations(convs, encode, np.array([0.0]), context_limit=128,
-                                   max_tokens=16, max_prompt_tokens=3)[0]
+    capped = W.build_conversations(convs, encode, np.array([0.0]),
+                                   W.FitOptions(context_limit=128, max_tokens=16,
+                                                max_prompt_tokens=3))[0]
     assert capped.turns[1] == nxt + encode("xxx") + tail
     assert capped.turns[0] == encode("User: hel") + tail
     with pytest.raises(ValueError, match="no room for a user message"):
-        W.build_conversations(convs, encode, np.array([0.0]), context_limit=30, max_tokens=16)
+        W.build_conversations(convs, encode, np.array([0.0]),
+                              W.FitOptions(context_limit=30, max_tokens=16))
 
 
 def test_build_conversations_samples_every_conversation_before_repeating():
     convs = [W.Conversation((f"m{i}",), "c", i, (i,)) for i in range(3)]
-    out = W.build_conversations(convs, encode, np.arange(6.0), context_limit=64, max_tokens=4,
-                                seed=5)
+    out = W.build_conversations(convs, encode, np.arange(6.0),
+                                W.FitOptions(context_limit=64, max_tokens=4, seed=5))
     picked = [c.conversation_index for c in out]
     assert sorted(picked[:3]) == [0, 1, 2] and sorted(picked[3:]) == [0, 1, 2]
     assert picked == W.sample_order(3, 6, seed=5).tolist()

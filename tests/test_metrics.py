@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jspec.metrics import EngineMetrics
+from jspec.metrics import EngineMetrics, SpecCounts
 from jspec.policies.base import batch_bucket
 
 
@@ -23,7 +23,7 @@ def test_record_spec_counts_what_a_loop_over_sequences_counts():
         accepted = np.minimum(verified, rng.integers(0, max_gamma + 1, n))
         emitted = accepted + (rng.random(n) < 0.9)
         batch = int(rng.integers(1, 40))
-        m.record_spec(gammas, verified, accepted, emitted, batch)
+        m.record_spec(SpecCounts.count(gammas, verified, accepted, emitted, max_gamma), batch)
         h = by_batch.setdefault(batch_bucket(batch), np.zeros(max_gamma + 1, np.int64))
         for g, v, a, e in zip(gammas, verified, accepted, emitted):
             hist[min(g, max_gamma)] += 1

@@ -14,7 +14,7 @@ comes first; an open-ended process needs at least one of the two.
   since the process is memoryless) or, with ``process="regular"``, arrivals at t_k + j/r_k
   inside the segment (ceil(r_k · length) of them). A rate of 0 is an idle segment.
 * ``burst(period, size)``: ``size`` requests at once at t = 0, period, 2·period, ..., optionally
-  over a background Poisson (or regular) process of ``base_rate``.
+  over a background Poisson (or regular) process (``Background``).
 * ``trace_arrivals(read_azure_trace(path))``: replay of an Azure LLM inference trace, see below.
 
 Azure traces (``AzureLLMInferenceTrace_{code,conv}.csv``, Splitwise, ISCA'24): header
@@ -210,9 +210,19 @@ def step(segments: list[tuple[float, float]], *, duration: float | None = None,
                                     "num_requests": num_requests})
 
 
+@dataclasses.dataclass(frozen=True)
+class Background:
+    """The constant-rate process under a burst pattern: ``rate`` requests per second (0: none),
+    a seeded Poisson process or a regular one."""
+
+    rate: float = 0.0
+    process: str = "poisson"
+    seed: int = 0
+
+
 def burst(period: float, size: int, *, duration: float | None = None,
-          num_requests: int | None = None, base_rate: float = 0.0, seed: int = 0,
-          process: str = "poisson") -> Arrivals:
+          num_requests: int | None = None, background: Background = Background()) -> Arrivals:
+    base_rate, process, seed = background.rate, background.process, background.seed
     if not (period > 0 and math.isfinite(period)):
         raise ValueError(f"burst period must be a positive number of seconds, got {period}")
     if not isinstance(size, (int, np.integer)) or size < 1:

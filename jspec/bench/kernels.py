@@ -36,9 +36,11 @@ time, so each point counts alike.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
+from typing import NamedTuple
 
 ATTN_SHAPE = dict(num_heads=14, kv_heads=2, head_dim=64)
 # what --tune tries: each kernel's defaults first, then every combination of these
@@ -123,16 +125,26 @@ def seconds_per_call(call, qa, k, v, md, repeats: int) -> float:
     return _best(lambda: loop(qa, k, v, md), repeats) / LOOP_CALLS
 
 
-def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype, seed: int = 0,
+class AttentionPoint(NamedTuple):
+    """One attention row of the benchmark: ``batch`` sequences each with ``context`` tokens of
+    which the last ``q_len`` are new."""
+
+    batch: int
+    q_len: int
+    context: int
+
+
+def attention_case(point: AttentionPoint, block_size: int, dtype, seed: int = 0,
                    layers: int = LOOP_LAYERS):
-    """Inputs for ``layers`` layers: B sequences each with ``context`` tokens of which the last
-    ``q_len`` are new (their K/V already in the pool), shuffled physical pages; ``kv_bytes`` is
-    what one layer's attention reads."""
+    """Inputs for ``layers`` layers at ``point``: B sequences each with ``context`` tokens of
+    which the last ``q_len`` are new (their K/V already in the pool), shuffled physical pages;
+    ``kv_bytes`` is what one layer's attention reads."""
     import jax.numpy as jnp
     import numpy as np
 
     from jspec.kernels.ragged_paged_attention import AttentionMetadata
 
+    batch, q_len, context = point
     rng = np.random.default_rng(seed)
     h, kvh, d = ATTN_SHAPE["num_heads"], ATTN_SHAPE["kv_heads"], ATTN_SHAPE["head_dim"]
     pages = -(-context // block_size)
@@ -152,12 +164,21 @@ def attention_case(batch: int, q_len: int, context: int, block_size: int, dtype,
     return q, k, v, md, kv_bytes
 
 
-def attention_points(args: argparse.Namespace) -> list[tuple[int, int, int]]:
-    """(batch, q_len, context) of every attention row: the grid, then one prefill per context."""
-    points = [(b, q, c) for c in args.contexts for b in args.batch_sizes for q in args.query_lens]
+def attention_points(args: argparse.Namespace) -> list[AttentionPoint]:
+    """Every attention row: the grid, then one prefill per context."""
+    points = [AttentionPoint(b, q, c) for c in args.contexts for b in args.batch_sizes
+              for q in args.query_lens]
     if args.prefill:
-        points += [(1, min(args.prefill, c), c) for c in args.contexts]
+        points += [AttentionPoint(1, min(args.prefill, c), c) for c in args.contexts]
     return points
+
+
+def bounded_call(fn, sm_scale: float, max_q_len: int):
+    """``fn(q, k, v, layer, md)`` bounded as the engine bounds a decode-only step's attention
+    (one query tile per sequence: no sequence brings more than ``max_q_len`` tokens)."""
+    def call(qa, k, v, layer, md):
+        return fn(qa, k, v, layer, md, sm_scale=sm_scale, max_q_len=max_q_len)
+    return call
 
 
 def migration_case(layers: int, blocks: int, block_size: int, dtype, seed: int = 0):
@@ -204,16 +225,31 @@ def run(args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace) -> dict:
     """Time (and check) every implementation over the grid of ``args``, print the tables and
     return the results (the JSON of ``--json``)."""
-    import jax
     import jax.numpy as jnp
-    import numpy as np
-    from tqdm.auto import tqdm
 
     from jspec.kernels import backend as kb
-    from jspec.kernels import gpu_lowering
-    from jspec.kernels.gpu_lowering import KernelShape
-    from jspec.kernels.ragged_paged_attention import ragged_paged_attention_reference
 
+    _check_grid(args)
+    dtype = jnp.dtype(args.dtype)
+    resolved, settings = _resolve_backend(args)
+    copy_mib = 8 if args.small else 256
+    peak = copy_bandwidth(copy_mib << 20, args.repeats)
+    print(f"device copy bandwidth: {peak / 1e9:.1f} GB/s (read + write of a {copy_mib} MiB "
+          "array)")
+    results = {"platform": kb.platform(), "backend": str(resolved), "dtype": args.dtype,
+               "settings": settings, "copy_bandwidth_gbps": peak / 1e9, "attention": [],
+               "migration": []}
+    impls = _implementations(kb.attention_fn, resolved.attention, args.interpret)
+    results["attention"] = _measure_attention(args, impls, dtype, peak)
+    _print_attention(results["attention"], list(impls))
+    impls = _implementations(kb.migration_fn, resolved.migration, args.interpret)
+    results["migration"] = _measure_migration(args, impls, dtype, peak)
+    _print_migration(results["migration"], list(impls), args.layers)
+    return results
+
+
+def _check_grid(args: argparse.Namespace) -> None:
+    """``--small``'s grid in place of the one asked for; ValueError on a grid that cannot run."""
     if args.small:
         args.batch_sizes, args.query_lens, args.contexts = [1, 2], [1, 4], [64]
         args.prefill, args.migrate_blocks, args.layers, args.repeats = 32, [4], 2, 1
@@ -222,76 +258,97 @@ def measure(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be positive integers")
     if any(q > c for q in args.query_lens for c in args.contexts):
         raise ValueError("every --query-lens value must be <= every --contexts value")
-    dtype = jnp.dtype(args.dtype)
+
+
+def _resolve_backend(args: argparse.Namespace):
+    """The kernel backend ``auto`` picks at this benchmark's shapes and the settings its GPU
+    kernels run with (tuned for this GPU model by --tune, or the defaults), both printed."""
+    import jax
+
+    from jspec.kernels import backend as kb
+    from jspec.kernels import gpu_lowering
+    from jspec.kernels.gpu_lowering import KernelShape
+
     resolved = kb.select("auto", [KernelShape(**ATTN_SHAPE, block_size=args.block_size,
                                               num_layers=args.layers, dtype=args.dtype)])
-    impls = {"reference": kb.attention_fn("reference")}
-    if resolved.attention == "pallas":
-        impls["pallas"] = kb.attention_fn("pallas")
-    if args.interpret:
-        impls["interpret"] = kb.attention_fn("interpret")
     print(f"jspec bench kernels: platform {kb.platform()}, kernel backend auto -> {resolved}, "
           f"jax {jax.__version__}, {args.dtype}")
-    if "pallas" not in impls:
+    if resolved.attention != "pallas":
         print("  (no GPU kernel here: " + ("the reference and the interpreted kernel (not a "
                                             "performance number) are timed)" if args.interpret
                                             else "only the reference is timed)"))
-    # the settings the GPU kernels run with: tuned for this GPU model (--tune) or the defaults
     settings = {kernel: gpu_lowering.settings(kernel) for kernel in gpu_lowering.KERNELS
                 if getattr(resolved, kernel) == "pallas"}
     for kernel, values in settings.items():
         print(f"  {kernel} settings: {json.dumps(values, sort_keys=True)}")
-    copy_mib = 8 if args.small else 256
-    peak = copy_bandwidth(copy_mib << 20, args.repeats)
-    print(f"device copy bandwidth: {peak / 1e9:.1f} GB/s (read + write of a {copy_mib} MiB "
-          "array)")
+    return resolved, settings
 
-    points = attention_points(args)
-    results = {"platform": kb.platform(), "backend": str(resolved), "dtype": args.dtype,
-               "settings": settings, "copy_bandwidth_gbps": peak / 1e9, "attention": [],
-               "migration": []}
+
+def _implementations(make, resolved: str, interpret: bool) -> dict:
+    """The implementations of one kernel to time (``make``: ``backend.attention_fn`` or
+    ``backend.migration_fn``): the reference, the Pallas kernel where ``auto`` resolved to it,
+    the interpreted kernel with --interpret."""
+    impls = {"reference": make("reference")}
+    if resolved == "pallas":
+        impls["pallas"] = make("pallas")
+    if interpret:
+        impls["interpret"] = make("interpret")
+    return impls
+
+
+def _measure_attention(args: argparse.Namespace, impls: dict, dtype, peak: float) -> list[dict]:
+    """A row per attention point: each implementation's time, bandwidth and share of ``peak``,
+    and its max |error| against the per-token oracle."""
+    import jax
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from jspec.kernels.ragged_paged_attention import ragged_paged_attention_reference
+
     scale = ATTN_SHAPE["head_dim"] ** -0.5
     oracle = jax.jit(lambda qa, k, v, md: ragged_paged_attention_reference(qa, k, v, 0, md,
                                                                            sm_scale=scale))
-    for b, q, c in tqdm(points, desc="attention", leave=False):
-        qa, k, v, md, kv_bytes = attention_case(b, q, c, args.block_size, dtype)
+    rows = []
+    for point in tqdm(attention_points(args), desc="attention", leave=False):
+        qa, k, v, md, kv_bytes = attention_case(point, args.block_size, dtype)
         expected = np.asarray(oracle(qa, k, v, md), np.float32)
-        row = {"batch": b, "q_len": q, "context": c, "kv_bytes": kv_bytes}
+        row = {"batch": point.batch, "q_len": point.q_len, "context": point.context,
+               "kv_bytes": kv_bytes}
         for name, fn in impls.items():
-            # bounded as the engine bounds a decode-only step (one query tile per sequence)
-            def call(qa, k, v, layer, md, fn=fn, q=q):
-                return fn(qa, k, v, layer, md, sm_scale=scale, max_q_len=q)
-
+            call = bounded_call(fn, scale, point.q_len)
             seconds = seconds_per_call(call, qa, k, v, md, args.repeats)
             err = np.abs(np.asarray(jax.jit(call)(qa, k, v, 0, md), np.float32)
                          - expected).max()
             row[name] = {"ms": seconds * 1e3, "gbps": kv_bytes / seconds / 1e9,
                          "roofline": kv_bytes / seconds / peak, "max_abs_err": float(err)}
-        results["attention"].append(row)
+        rows.append(row)
         del qa, k, v, expected
+    return rows
 
-    names = list(impls)
+
+def _print_attention(rows: list[dict], names: list[str]) -> None:
     print("\nattention, one layer (ms | GB/s of KV read | fraction of copy bandwidth | max "
           "|error| against the per-token oracle)")
     print(f"  {'B':>4} {'q':>4} {'ctx':>6}" + "".join(f" {n:>38}" for n in names))
-    for row in results["attention"]:
+    for row in rows:
         cells = "".join(f" {row[n]['ms']:>9.3f} |{row[n]['gbps']:>7.1f} |{row[n]['roofline']:>6.0%}"
                         f" |{row[n]['max_abs_err']:>8.1e}" for n in names)
         print(f"  {row['batch']:>4} {row['q_len']:>4} {row['context']:>6}{cells}")
 
-    # migration
-    mig_impls = {"reference": kb.migration_fn("reference")}
-    if resolved.migration == "pallas":
-        mig_impls["pallas"] = kb.migration_fn("pallas")
-    if args.interpret:
-        mig_impls["interpret"] = kb.migration_fn("interpret")
+
+def _measure_migration(args: argparse.Namespace, impls: dict, dtype, peak: float) -> list[dict]:
+    """A row per --migrate-blocks: each implementation's time, bandwidth and share of
+    ``peak``, and whether it moved the blocks exactly as numpy does."""
+    import jax.numpy as jnp
+
     kvh, d = ATTN_SHAPE["kv_heads"], ATTN_SHAPE["head_dim"]
+    rows = []
     for n in args.migrate_blocks:
         k0, v0, plan, pairs = migration_case(args.layers, n, args.block_size, dtype)
         shape = k0.shape
         moved = 2 * 2 * args.layers * n * args.block_size * kvh * d * dtype.itemsize  # r+w, K+V
         row = {"blocks": n, "bytes_moved": moved}
-        for name, fn in mig_impls.items():
+        for name, fn in impls.items():
             exact = _migration_is_exact(fn, k0, v0, plan, pairs)
             state = {"k": jnp.zeros(shape, dtype), "v": jnp.ones(shape, dtype)}
 
@@ -302,17 +359,19 @@ def measure(args: argparse.Namespace) -> dict:
             seconds = _best(call, args.repeats)
             row[name] = {"ms": seconds * 1e3, "gbps": moved / seconds / 1e9,
                          "roofline": moved / seconds / peak, "exact": exact}
-        results["migration"].append(row)
+        rows.append(row)
         del k0, v0
-    print(f"\nKV migration, {args.layers} layers, K and V (ms | GB/s read+write | fraction of "
+    return rows
+
+
+def _print_migration(rows: list[dict], names: list[str], layers: int) -> None:
+    print(f"\nKV migration, {layers} layers, K and V (ms | GB/s read+write | fraction of "
           "copy bandwidth | result bit-identical to a numpy copy)")
-    names = list(mig_impls)
     print(f"  {'blocks':>6}" + "".join(f" {n:>34}" for n in names))
-    for row in results["migration"]:
+    for row in rows:
         cells = "".join(f" {row[n]['ms']:>9.3f} |{row[n]['gbps']:>7.1f} |{row[n]['roofline']:>6.0%}"
                         f" |{'yes' if row[n]['exact'] else 'NO':>4}" for n in names)
         print(f"  {row['blocks']:>6}{cells}")
-    return results
 
 
 # ----------------------------------------------------------------------------- --tune
@@ -370,7 +429,8 @@ def _attention_measure(args, dtype, interpret: bool):
     scale = ATTN_SHAPE["head_dim"] ** -0.5
     cases, expected = [], []
     for b, q in points:
-        qa, k, v, md, _ = attention_case(b, min(q, context), context, args.block_size, dtype)
+        qa, k, v, md, _ = attention_case(AttentionPoint(b, min(q, context), context),
+                                         args.block_size, dtype)
         cases.append((qa, k, v, md, min(q, context)))
         expected.append(np.asarray(ragged_paged_attention_reference(
             qa, k, v, 0, md, sm_scale=scale), np.float32))
@@ -380,10 +440,7 @@ def _attention_measure(args, dtype, interpret: bool):
         kernel = gpu_lowering.attention(values)
         seconds = []
         for (qa, k, v, md, q), ref in zip(cases, expected):
-            def call(qa, k, v, layer, md, q=q):
-                return kernel(qa, k, v, layer, md, sm_scale=scale, max_q_len=q,
-                              interpret=interpret)
-
+            call = bounded_call(functools.partial(kernel, interpret=interpret), scale, q)
             err = float(np.abs(np.asarray(jax.jit(call)(qa, k, v, 0, md), np.float32)
                                - ref).max())
             if not err <= tol:
@@ -398,8 +455,6 @@ def _attention_measure(args, dtype, interpret: bool):
 def _migration_measure(args, dtype, interpret: bool):
     """``measure`` for migration: one launch of the largest --migrate-blocks, checked bit for
     bit against a numpy copy."""
-    import functools
-
     import jax
     import jax.numpy as jnp
 

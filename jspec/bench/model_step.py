@@ -11,6 +11,7 @@ can be read as a fraction of it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -118,19 +119,27 @@ def make_batch(batch: int, query_len: int, context: int, block_size: int):
     return ModelInput(input_ids, md, logits_indices), 1 + batch * pages
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """How ``ForwardTimer`` runs its forward, beyond the model and the shapes."""
+
+    # a tensor-parallel mesh (jspec.models.sharding.make_mesh); the model is split over it
+    # (``shard``, the target's case) or replicated on it (a draft's)
+    mesh: object = None
+    shard: bool = True
+    # the engine's deterministic numerics (with the jnp attention)
+    batch_invariant: bool = False
+    # the bound on new tokens per sequence that the engine gives a decode-only step's attention
+    max_q_len: int | None = None
+
+
 class ForwardTimer:
     """Times one model's jitted paged forward on ``make_batch`` shapes: a fresh KV pool per
     shape, a warm-up call (compilation excluded), then the fastest of ``repeats`` calls. Shared
     by this benchmark, `jspec bench pair` and `jspec profile`."""
 
-    def __init__(self, cfg, params, kv_dtype, block_size: int, repeats: int, mesh=None,
-                 shard: bool = True, batch_invariant: bool = False,
-                 max_q_len: int | None = None):
-        """``mesh``: a tensor-parallel mesh (jspec.models.sharding.make_mesh); the model is
-        split over it (``shard``, the target's case) or replicated on it (a draft's).
-        ``batch_invariant``: the engine's deterministic numerics (with the jnp attention);
-        ``max_q_len``: the bound on new tokens per sequence that the engine gives a
-        decode-only step's attention."""
+    def __init__(self, cfg, params, kv_dtype, block_size: int, repeats: int,
+                 options: ForwardOptions = ForwardOptions()):
         import functools
 
         import jax
@@ -139,6 +148,7 @@ class ForwardTimer:
         from jspec.models.transformer import forward
         from jspec.kernels.ragged_paged_attention import ragged_paged_attention_tiled
 
+        mesh, shard = options.mesh, options.shard
         if mesh is not None:
             params = (sharding.shard_params(params, cfg, mesh) if shard
                       else sharding.replicate(params, mesh))
@@ -147,10 +157,10 @@ class ForwardTimer:
         self.mesh = mesh
         self.kv_spec = sharding.KV_SPEC if shard else sharding.REPLICATED
         extra, attention = {}, {}
-        if batch_invariant:
+        if options.batch_invariant:
             extra["batch_invariant"] = attention["batch_invariant"] = True
-        if max_q_len is not None:
-            attention["max_q_len"] = max_q_len
+        if options.max_q_len is not None:
+            attention["max_q_len"] = options.max_q_len
         if attention:
             extra["attention_fn"] = functools.partial(ragged_paged_attention_tiled, **attention)
         self.step = jax.jit(functools.partial(forward, cfg=cfg,
@@ -183,7 +193,8 @@ class ForwardTimer:
 def time_grid(cfg, params, dtype, args, mesh=None, shard: bool = True):
     """Fastest seconds per step for every (B, q) of the grid, and the timer (its params, on
     the mesh if one is given, and the largest KV pool it made)."""
-    timer = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats, mesh, shard)
+    timer = ForwardTimer(cfg, params, dtype, args.block_size, args.repeats,
+                         ForwardOptions(mesh=mesh, shard=shard))
     return {(b, q): timer(b, q, args.context)
             for b in args.batch_sizes for q in args.query_lens}, timer
 
@@ -194,8 +205,9 @@ def time_invariance_cost(cfg, params, dtype, args, mesh=None) -> dict:
     told that no sequence brings more than q tokens."""
     ratios = {}
     for q in args.query_lens:
-        plain, invariant = (ForwardTimer(cfg, params, dtype, args.block_size, args.repeats, mesh,
-                                         batch_invariant=inv, max_q_len=q)
+        plain, invariant = (ForwardTimer(cfg, params, dtype, args.block_size, args.repeats,
+                                         ForwardOptions(mesh=mesh, batch_invariant=inv,
+                                                        max_q_len=q))
                             for inv in (False, True))
         for b in args.batch_sizes:
             ratios[b, q] = invariant(b, q, args.context) / plain(b, q, args.context)
@@ -221,10 +233,43 @@ def measure(args: argparse.Namespace) -> dict:
     """Time the grid of ``args`` for every dtype and model, print the tables, and return what
     was measured: ``{"bandwidth_start", "bandwidth_end"}`` (bytes/s) and ``"runs"``, one per
     (dtype, model): ``{"dtype", "model", "config", "weight_bytes", "seconds": {(B, q): s}}``."""
-    import jax.numpy as jnp
+    configs = _model_configs(args)
 
+    import jax
+
+    from jspec.models import sharding
+
+    mesh = sharding.make_mesh(args.tensor_parallel_size)
+    if mesh is not None:
+        sharding.check_shardable(configs["target"], mesh.size)
+    _print_setup(args, configs)
+    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, args.repeats)
+    print(f"memory read bandwidth (jnp.sum over {args.bandwidth_mib} MiB float32): "
+          f"{bandwidth / 1e9:.1f} GB/s")
+    print(f"context {args.context} tokens/sequence, KV block {args.block_size}, logits at every "
+          f"new token, best of {args.repeats}; times in ms per step")
+    print(f"load average at start: {_load()}")
+
+    measured: dict[tuple[str, str], dict] = {}
+    runs = []
+    for dtype_name in args.dtypes:
+        for model in args.models:
+            run = _time_model(args, configs[model], (dtype_name, model), mesh, bandwidth)
+            measured[dtype_name, model] = run["seconds"]
+            runs.append(run)
+    _print_draft_ratios(measured, args)
+    # A shared VM's bandwidth drifts with its neighbours: measure again and show both.
+    bandwidth_end = measure_bandwidth(args.bandwidth_mib << 20, args.repeats)
+    print(f"memory read bandwidth at end: {bandwidth_end / 1e9:.1f} GB/s (start: "
+          f"{bandwidth / 1e9:.1f} GB/s; the shares above use the start value)")
+    print(f"load average at end: {_load()} (other processes on the machine skew the numbers)")
+    return {"bandwidth_start": bandwidth, "bandwidth_end": bandwidth_end, "runs": runs}
+
+
+def _model_configs(args: argparse.Namespace) -> dict:
+    """The target's and the draft's configs (``--small``: tiny shapes, and a tiny grid in
+    place of the default one in ``args``); ValueError on a grid that cannot run."""
     from jspec.models.config import ModelConfig
-    from jspec.models.params import params_nbytes
 
     if args.small:
         target_shape, draft_shape = SMALL_TARGET, SMALL_DRAFT
@@ -240,15 +285,11 @@ def measure(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be positive integers")
     if args.context < 0 or args.block_size < 1 or args.repeats < 1:
         raise ValueError("--context must be >= 0, --block-size and --repeats >= 1")
-    configs = {"target": ModelConfig(**target_shape), "draft": ModelConfig(**draft_shape)}
+    return {"target": ModelConfig(**target_shape), "draft": ModelConfig(**draft_shape)}
 
+
+def _print_setup(args: argparse.Namespace, configs: dict) -> None:
     import jax
-
-    from jspec.models import sharding
-
-    mesh = sharding.make_mesh(args.tensor_parallel_size)
-    if mesh is not None:
-        sharding.check_shardable(configs["target"], mesh.size)
 
     print(f"jspec bench model-step: backend {jax.default_backend()}, {jax.device_count()} "
           f"device(s), tensor parallel size {args.tensor_parallel_size}, jax {jax.__version__}, "
@@ -261,57 +302,55 @@ def measure(args: argparse.Namespace) -> dict:
     print(f"draft:  {d.num_params() / 1e6:.1f}M params (L={d.num_layers} h={d.hidden_size} "
           f"heads={d.num_heads}/{d.num_kv_heads} ffn={d.intermediate_size}, same vocab); "
           f"cost ratio target/draft = {flops_ratio:.1f}x in params (FLOPs and bytes per token)")
-    bandwidth = measure_bandwidth(args.bandwidth_mib << 20, args.repeats)
-    print(f"memory read bandwidth (jnp.sum over {args.bandwidth_mib} MiB float32): "
-          f"{bandwidth / 1e9:.1f} GB/s")
-    print(f"context {args.context} tokens/sequence, KV block {args.block_size}, logits at every "
-          f"new token, best of {args.repeats}; times in ms per step")
-    print(f"load average at start: {_load()}")
 
-    measured: dict[tuple[str, str], dict] = {}
-    runs = []
-    for dtype_name in args.dtypes:
-        dtype = jnp.dtype(DTYPES[dtype_name])
-        for model in args.models:
-            cfg = configs[model]
-            params = random_params(cfg, dtype)
-            weight_bytes = weight_bytes_per_step(params)
-            results, timer = time_grid(cfg, params, dtype, args, mesh, shard=model == "target")
-            run = {"dtype": dtype_name, "model": model, "config": cfg,
-                   "weight_bytes": weight_bytes, "seconds": results}
-            print()
-            print(f"[{dtype_name}] {model}: {weight_bytes / 1e6:.1f} MB of weights read per step")
-            if mesh is not None:
-                # each device reads its own share: the bandwidth figures below use it
-                split = model == "target"
-                run["params_bytes_per_device"] = sharding.bytes_per_device(timer.params)
-                run["kv_bytes_per_device"] = timer.kv_bytes_per_device
-                weight_bytes = weight_bytes // mesh.size if split else weight_bytes
-                run["weight_bytes_per_device"] = weight_bytes
-                print(f"  on each of {mesh.size} devices ({'split' if split else 'replicated'}): "
-                      f"{run['params_bytes_per_device'] / 1e6:.1f} MB of params "
-                      f"(of {params_nbytes(params) / 1e6:.1f} MB), "
-                      f"{weight_bytes / 1e6:.1f} MB read per step, largest KV pool "
-                      f"{timer.kv_bytes_per_device / 1e6:.2f} MB")
-            del params, timer
-            measured[dtype_name, model] = results
-            runs.append(run)
-            for line in _format_table(results, args):
-                print(line)
-            _print_observations(results, args, weight_bytes, bandwidth)
-            if args.batch_invariant and model == "target":
-                ratios = time_invariance_cost(cfg, random_params(cfg, dtype), dtype, args, mesh)
-                run["batch_invariant_ratio"] = ratios
-                print("  batch-invariant numerics: time / default time")
-                for line in _format_table(ratios, args, "x"):
-                    print(line)
-    _print_draft_ratios(measured, args)
-    # A shared VM's bandwidth drifts with its neighbours: measure again and show both.
-    bandwidth_end = measure_bandwidth(args.bandwidth_mib << 20, args.repeats)
-    print(f"memory read bandwidth at end: {bandwidth_end / 1e9:.1f} GB/s (start: "
-          f"{bandwidth / 1e9:.1f} GB/s; the shares above use the start value)")
-    print(f"load average at end: {_load()} (other processes on the machine skew the numbers)")
-    return {"bandwidth_start": bandwidth, "bandwidth_end": bandwidth_end, "runs": runs}
+
+def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
+                bandwidth: float) -> dict:
+    """Time one (dtype, model) over the grid with random weights, print its table and
+    observations (``bandwidth``: the machine's, measured at the start) and return its run."""
+    import jax.numpy as jnp
+
+    dtype_name, model = which
+    dtype = jnp.dtype(DTYPES[dtype_name])
+    params = random_params(cfg, dtype)
+    weight_bytes = weight_bytes_per_step(params)
+    results, timer = time_grid(cfg, params, dtype, args, mesh, shard=model == "target")
+    run = {"dtype": dtype_name, "model": model, "config": cfg,
+           "weight_bytes": weight_bytes, "seconds": results}
+    print()
+    print(f"[{dtype_name}] {model}: {weight_bytes / 1e6:.1f} MB of weights read per step")
+    if mesh is not None:
+        weight_bytes = _per_device(run, timer, params, mesh)
+    del params, timer
+    for line in _format_table(results, args):
+        print(line)
+    _print_observations(results, args, weight_bytes, bandwidth)
+    if args.batch_invariant and model == "target":
+        ratios = time_invariance_cost(cfg, random_params(cfg, dtype), dtype, args, mesh)
+        run["batch_invariant_ratio"] = ratios
+        print("  batch-invariant numerics: time / default time")
+        for line in _format_table(ratios, args, "x"):
+            print(line)
+    return run
+
+
+def _per_device(run: dict, timer: ForwardTimer, params, mesh) -> int:
+    """What each device of ``mesh`` holds and reads per step, recorded in ``run`` and printed;
+    returns the weight bytes each device reads (its own share: the bandwidth figures use it)."""
+    from jspec.models import sharding
+    from jspec.models.params import params_nbytes
+
+    split = run["model"] == "target"
+    run["params_bytes_per_device"] = sharding.bytes_per_device(timer.params)
+    run["kv_bytes_per_device"] = timer.kv_bytes_per_device
+    weight_bytes = run["weight_bytes"] // mesh.size if split else run["weight_bytes"]
+    run["weight_bytes_per_device"] = weight_bytes
+    print(f"  on each of {mesh.size} devices ({'split' if split else 'replicated'}): "
+          f"{run['params_bytes_per_device'] / 1e6:.1f} MB of params "
+          f"(of {params_nbytes(params) / 1e6:.1f} MB), "
+          f"{weight_bytes / 1e6:.1f} MB read per step, largest KV pool "
+          f"{timer.kv_bytes_per_device / 1e6:.2f} MB")
+    return weight_bytes
 
 
 def _load() -> str:

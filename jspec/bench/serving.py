@@ -375,8 +375,8 @@ def build_arrivals(args: argparse.Namespace) -> arr.Arrivals:
                         seed=args.seed, process=args.process)
     if kind == "burst":
         return arr.burst(args.burst_period, args.burst_size, duration=duration,
-                         num_requests=num, base_rate=args.burst_base_rate, seed=args.seed,
-                         process=args.process)
+                         num_requests=num, background=arr.Background(
+                             args.burst_base_rate, args.process, args.seed))
     trace = arr.read_azure_trace(arr.trace_path(args.trace or DEFAULT_TRACE))
     if not args.time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
@@ -1140,14 +1140,14 @@ def build_bench_requests(args: argparse.Namespace, plan: BenchPlan, first) -> Be
                   "draft_model": model_signature(first.draft.cfg) if first.draft else None,
                   "kv_dtype": str(first.runner.kv_dtype)}
     labels = ", ".join(p["label"] for p in plan.policies)
+    fit = wl.FitOptions(context_limit, args.max_tokens, args.max_prompt_tokens, args.seed)
     if plan.multiturn:
         tok = first.tokenizer
         # the wrapped messages' pieces without special tokens; the first piece of a
         # conversation with them (a BOS, where the tokenizer adds one, starts it once)
         requests = wl.build_conversations(
             plan.prompts, lambda text: tok.encode(text, add_special_tokens=False),
-            plan.arrivals.times, context_limit=context_limit, max_tokens=args.max_tokens,
-            seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, encode_first=tok.encode)
+            plan.arrivals.times, fit, encode_first=tok.encode)
         prompt_lens = [len(c.turns[0]) for c in requests]  # first turns
         turn_lens = [len(t) for c in requests for t in c.turns]
         output_lens = [c.max_tokens for c in requests for _ in c.turns]
@@ -1160,10 +1160,9 @@ def build_bench_requests(args: argparse.Namespace, plan: BenchPlan, first) -> Be
         # the engine refuses a request whose prompt + max_tokens does not fit
         arrivals = plan.arrivals
         requests = wl.build_requests(
-            plan.prompts, first.tokenizer.encode, arrivals.times, max_model_len=context_limit,
-            max_tokens=args.max_tokens, seed=args.seed, context_tokens=arrivals.context_tokens,
-            generated_tokens=arrivals.generated_tokens, context_scale=args.context_scale,
-            max_prompt_tokens=args.max_prompt_tokens)
+            plan.prompts, first.tokenizer.encode, arrivals.times, fit,
+            wl.TraceLengths(arrivals.context_tokens, arrivals.generated_tokens,
+                            args.context_scale))
         prompt_lens = [len(r.prompt_token_ids) for r in requests]
         output_lens = [r.max_tokens for r in requests]
         turn_lens = []

@@ -75,8 +75,8 @@ def level_requests(args: argparse.Namespace, prompts, tokenizer, context_limit: 
     from jspec.bench import arrivals, workloads
 
     return workloads.build_requests(
-        prompts, tokenizer.encode, arrivals.batch(level).times, max_model_len=context_limit,
-        max_tokens=args.max_tokens, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens)
+        prompts, tokenizer.encode, arrivals.batch(level).times,
+        workloads.FitOptions(context_limit, args.max_tokens, args.max_prompt_tokens, args.seed))
 
 
 def run(sweep: Sweep, deadline: float | None = None,

@@ -119,6 +119,28 @@ class BenchConversation:
     conversation_index: int  # its position in the conversation pool
 
 
+@dataclasses.dataclass(frozen=True)
+class FitOptions:
+    """How a benchmark draws its requests from the pool (``sample_order``) and fits their
+    lengths to the engine (``fit_lengths``; ``context_limit`` is the module docstring's L)."""
+
+    context_limit: int  # tokens one sequence may hold, prompt and output
+    max_tokens: int  # the output budget asked for
+    max_prompt_tokens: int | None = None  # a cap on each prompt (multiturn: each user message)
+    seed: int = 0  # of the sampled order
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceLengths:
+    """What a trace asks of each request, per arrival (``Arrivals.context_tokens`` /
+    ``generated_tokens``): without them each prompt keeps its own length and every output
+    budget is ``max_tokens``."""
+
+    context_tokens: np.ndarray | None = None
+    generated_tokens: np.ndarray | None = None
+    context_scale: float = 1.0  # the prompt built is round(context tokens x this) long
+
+
 def data_dir() -> Path:
     """``$JSPEC_DATA_DIR`` if set, else ``shared/data`` beside the repository checkout."""
     env = os.environ.get("JSPEC_DATA_DIR")
@@ -322,19 +344,19 @@ def fit_lengths(prompt_len: int, output_len: int, max_model_len: int, max_tokens
 
 
 def build_requests(prompts: Sequence[Prompt], encode: Callable[[str], list[int]],
-                   arrival_times: np.ndarray, *, max_model_len: int, max_tokens: int,
-                   seed: int = 0, context_tokens: np.ndarray | None = None,
-                   generated_tokens: np.ndarray | None = None, context_scale: float = 1.0,
-                   max_prompt_tokens: int | None = None) -> list[BenchRequest]:
+                   arrival_times: np.ndarray, fit: FitOptions,
+                   trace: TraceLengths = TraceLengths()) -> list[BenchRequest]:
     """One request per arrival, prompts drawn by ``sample_order``, lengths by ``fit_lengths``.
 
-    With ``context_tokens`` / ``generated_tokens`` (a trace) the prompt is built to that many
-    tokens (times ``context_scale``) and the output budget is the trace's; without them each
-    prompt keeps its own length and every output budget is ``max_tokens``."""
-    if context_scale <= 0:
-        raise ValueError(f"context_scale must be > 0, got {context_scale}")
+    With a ``trace``'s context / generated tokens the prompt is built to that many tokens
+    (times its ``context_scale``) and the output budget is the trace's; without them each
+    prompt keeps its own length and every output budget is ``fit.max_tokens``."""
+    if trace.context_scale <= 0:
+        raise ValueError(f"context_scale must be > 0, got {trace.context_scale}")
+    context_tokens, generated_tokens = trace.context_tokens, trace.generated_tokens
+    max_tokens = fit.max_tokens
     n = len(arrival_times)
-    order = sample_order(len(prompts), n, seed)
+    order = sample_order(len(prompts), n, fit.seed)
     cache: dict[int, list[int]] = {}
 
     def tokens(i: int) -> list[int]:
@@ -351,11 +373,12 @@ def build_requests(prompts: Sequence[Prompt], encode: Callable[[str], list[int]]
         first = int(order[k])
         ids = tokens(first)
         if context_tokens is not None:
-            wanted = max(1, int(round(float(context_tokens[k]) * context_scale)))
+            wanted = max(1, int(round(float(context_tokens[k]) * trace.context_scale)))
         else:
             wanted = len(ids)
         want_out = int(generated_tokens[k]) if generated_tokens is not None else max_tokens
-        p, o = fit_lengths(wanted, want_out, max_model_len, max_tokens, max_prompt_tokens)
+        p, o = fit_lengths(wanted, want_out, fit.context_limit, max_tokens,
+                           fit.max_prompt_tokens)
         ids = list(ids[:p])
         nxt = k + 1
         while len(ids) < p:  # a trace asks for more context than this prompt has
@@ -368,8 +391,7 @@ def build_requests(prompts: Sequence[Prompt], encode: Callable[[str], list[int]]
 
 
 def build_conversations(conversations: Sequence[Conversation], encode: Callable[[str], list[int]],
-                        arrival_times: np.ndarray, *, context_limit: int, max_tokens: int,
-                        seed: int = 0, max_prompt_tokens: int | None = None,
+                        arrival_times: np.ndarray, fit: FitOptions,
                         encode_first: Callable[[str], list[int]] | None = None
                         ) -> list[BenchConversation]:
     """One conversation per arrival (its start), drawn by ``sample_order``; each user message
@@ -377,8 +399,10 @@ def build_conversations(conversations: Sequence[Conversation], encode: Callable[
     special tokens; ``encode_first`` (default ``encode``) the first piece of a conversation, so
     a tokenizer's BOS starts the conversation once."""
     encode_first = encode_first or encode
+    context_limit, max_tokens, max_prompt_tokens = (fit.context_limit, fit.max_tokens,
+                                                    fit.max_prompt_tokens)
     n = len(arrival_times)
-    order = sample_order(len(conversations), n, seed)
+    order = sample_order(len(conversations), n, fit.seed)
     first_head, next_head, tail = (list(encode_first(FIRST_HEAD)), list(encode(NEXT_HEAD)),
                                    list(encode(TAIL)))
     _, out = fit_lengths(1, max_tokens, context_limit, max_tokens)
