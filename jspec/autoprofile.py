@@ -28,6 +28,7 @@ without reading or writing the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -115,17 +116,60 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     requests aborted and their KV blocks freed."""
     import jax
 
-    from jspec.sampling_params import SamplingParams
-
     if engine.draft is None:
         raise ValueError("a step profile needs a draft model")
     if engine.has_unfinished_requests():
         raise RuntimeError("measure a step profile before serving any request")
+    grid = _plan_grid(engine, context, steps)
+    forced = ForcedGamma(engine.max_gamma,
+                         engine.policy.possible_gammas() | set(grid.gammas))
+    seqs = _ProfileSequences(engine, forced, grid)
+    target_time = np.zeros((len(grid.batch_sizes), len(grid.gammas), 1))
+    draft_time = np.zeros((len(grid.batch_sizes), 1))
+    catch_up = np.zeros((len(CATCH_UP_LENS), len(grid.batch_sizes)))
+    # measuring: every stage is synced, so a step's draft_time is the loop's device time, not
+    # its dispatch; otherwise the draft's cost lands in target_time's γ > 0 entries and a
+    # verifier (AdaSpec's select) would think that dropping a drafted token saves the draft
+    # forward that produced it. The profiling steps are not served (fresh metrics).
+    with engine.measuring(forced):
+        try:
+            for bi, batch in enumerate(grid.batch_sizes):
+                seqs.fresh(batch)
+                target_time[bi, :, 0], draft_time[bi, 0] = _measure_gammas(seqs, batch)
+                if engine.max_gamma:
+                    catch_up[:, bi] = _measure_catch_up(seqs, batch)
+        finally:
+            seqs.abort()
+    device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
+    return StepProfile(model_signature(engine.target.cfg), model_signature(engine.draft.cfg),
+                       device, str(engine.runner.kv_dtype), grid.batch_sizes,
+                       [g + 1 for g in grid.gammas], [grid.context], list(CATCH_UP_LENS),
+                       target_time, draft_time, catch_up)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """What ``measure`` times and the room a measuring sequence needs for it."""
+
+    context: int  # prompt tokens of each measuring sequence
+    steps: int  # measured steps per (B, γ)
+    gammas: list[int]
+    batch_sizes: list[int]
+    # tokens a sequence gains while one γ is measured (each step emits up to γ + 1) and during
+    # the catch-up rounds; sequences are replaced by fresh ones when the next round would not fit
+    need: dict[int, int]
+    need_catch_up: int
+    # a measuring sequence never holds more than its prompt plus one round's growth (fresh()
+    # replaces it before the next round would not fit)
+    cap: int
+
+
+def _plan_grid(engine, context: int, steps: int) -> _Grid:
+    """The grid for this engine: the context its max_model_len leaves room for and the batch
+    sizes its KV cache holds (ValueError when it is too small for any)."""
     rc = engine.rc
     max_gamma = engine.max_gamma
     gammas = list(range(max_gamma + 1))
-    # tokens a sequence gains while one γ is measured (each step emits up to γ + 1) and during
-    # the catch-up rounds; sequences are replaced by fresh ones when the next round would not fit
     need = {g: (g + 1) * (steps + 1) for g in gammas}
     # the catch-up rounds, plus the step that lets the draft read fresh sequences' prompts
     need_catch_up = sum(CATCH_UP_LENS) + 2 * len(CATCH_UP_LENS) + 2
@@ -135,8 +179,6 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
         raise ValueError(f"max_model_len {rc.max_model_len} is too short to measure a step "
                          f"profile (needs about {widest + 2} tokens per sequence); pass one "
                          f"made by `jspec profile` with --policy-option profile=PROFILE.json")
-    # a measuring sequence never holds more than its prompt plus one round's growth (fresh()
-    # replaces it before the next round would not fit)
     cap = context + widest + max_gamma + 1
     blocks_per_seq = -(-cap // engine.config.block_size) + 1
     usable = engine.block_manager.num_usable_blocks
@@ -146,82 +188,90 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     batch_sizes = [b for b in (1 << k for k in range(top.bit_length())) if b <= top]
     if batch_sizes[-1] != top:
         batch_sizes.append(top)
+    return _Grid(context=context, steps=steps, gammas=gammas, batch_sizes=batch_sizes,
+                 need=need, need_catch_up=need_catch_up, cap=cap)
 
-    forced = ForcedGamma(max_gamma, engine.policy.possible_gammas() | set(gammas))
-    target_time = np.zeros((len(batch_sizes), len(gammas), 1))
-    draft_time = np.zeros((len(batch_sizes), 1))
-    catch_up = np.zeros((len(CATCH_UP_LENS), len(batch_sizes)))
-    rng = np.random.default_rng(0)
-    vocab = engine.target.cfg.vocab_size
-    # as long as the context allows: fresh() replaces the sequences before they get there
-    sp = SamplingParams(max_tokens=engine.limits.context_limit - context, temperature=0.0,
-                        ignore_eos=True, seed=0)
-    ids: list[str] = []
-    serial = 0
-    # One prompt per row, drawn once: a replacement sequence starts with the prompt of the one
-    # it replaces, so with prefix caching its prefill reads all but the prompt's last block from
-    # the cache. The grid replaces its sequences about 27 times, and prefilling each set afresh
-    # took two thirds of the measurement (21.6 of 32.1 s for the built-in pair).
-    prompts = [rng.integers(0, vocab, context).tolist() for _ in range(top)]
 
-    def fresh(batch: int) -> None:
+class _ProfileSequences:
+    """The sequences ``measure`` decodes, replaced by fresh ones when a round would not fit."""
+
+    def __init__(self, engine, forced: ForcedGamma, grid: _Grid):
+        from jspec.sampling_params import SamplingParams
+
+        self.engine, self.forced, self.grid = engine, forced, grid
+        rng = np.random.default_rng(0)
+        vocab = engine.target.cfg.vocab_size
+        # as long as the context allows: fresh() replaces the sequences before they get there
+        self.sp = SamplingParams(max_tokens=engine.limits.context_limit - grid.context,
+                                 temperature=0.0, ignore_eos=True, seed=0)
+        self.ids: list[str] = []
+        self.serial = 0
+        # One prompt per row, drawn once: a replacement sequence starts with the prompt of the
+        # one it replaces, so with prefix caching its prefill reads all but the prompt's last
+        # block from the cache. The grid replaces its sequences about 27 times, and prefilling
+        # each set afresh took two thirds of the measurement (21.6 of 32.1 s for the built-in
+        # pair).
+        self.prompts = [rng.integers(0, vocab, grid.context).tolist()
+                        for _ in range(grid.batch_sizes[-1])]
+
+    def fresh(self, batch: int) -> None:
         """Replace the running sequences by ``batch`` new ones, prefilled and decoding."""
-        nonlocal ids, serial
-        if ids:
-            engine.abort_request(ids)
+        engine = self.engine
+        if self.ids:
+            engine.abort_request(self.ids)
             engine.step()  # deliver the aborts
-        ids = [f"__jspec-profile-{serial}-{i}" for i in range(batch)]
-        serial += 1
-        for rid, prompt in zip(ids, prompts):
-            engine.add_request(rid, prompt, sp)
-        forced.gamma = 0
+        self.ids = [f"__jspec-profile-{self.serial}-{i}" for i in range(batch)]
+        self.serial += 1
+        for rid, prompt in zip(self.ids, self.prompts):
+            engine.add_request(rid, prompt, self.sp)
+        self.forced.gamma = 0
         while engine.scheduler.num_waiting or any(not s.is_decoding
                                                   for s in engine.scheduler.running):
             engine.step()
 
-    def room() -> int:
-        return cap - max(s.num_tokens for s in engine.scheduler.running) - 1
+    def room(self) -> int:
+        return self.grid.cap - max(s.num_tokens for s in self.engine.scheduler.running) - 1
 
-    # measuring: every stage is synced, so a step's draft_time is the loop's device time, not
-    # its dispatch; otherwise the draft's cost lands in target_time's γ > 0 entries and a
-    # verifier (AdaSpec's select) would think that dropping a drafted token saves the draft
-    # forward that produced it. The profiling steps are not served (fresh metrics).
-    with engine.measuring(forced):
-        try:
-            for bi, batch in enumerate(batch_sizes):
-                fresh(batch)
-                for gi, gamma in enumerate(gammas):
-                    if room() < need[gamma] + max_gamma:
-                        fresh(batch)
-                    forced.gamma = gamma
-                    engine.step()  # settle: the draft catches up after γ = 0, compiles if lazy
-                    rest, drafts = [], []
-                    for _ in range(steps):
-                        engine.step()
-                        o = engine.last_outcome
-                        rest.append(o.step_time - o.draft_time - o.catch_up_time)
-                        drafts.append(o.draft_time)
-                    target_time[bi, gi, 0] = statistics.median(rest)
-                    if gamma == max_gamma and gamma > 0:
-                        draft_time[bi, 0] = statistics.median(drafts) / engine.last_step.gamma
-                if max_gamma:
-                    if room() < need_catch_up + max_gamma:
-                        fresh(batch)
-                        # the draft has not read the new prompts yet: one drafting step lets it,
-                        # or the first lag below would time the prompts' catch-up instead
-                        forced.gamma = 1
-                        engine.step()
-                    for ci, lag in enumerate(CATCH_UP_LENS):
-                        catch_up[ci, bi] = _catch_up_step(engine, forced, lag).catch_up_time
-        finally:
-            if ids:
-                engine.abort_request(ids)
-                engine.step()
-    device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
-    return StepProfile(model_signature(engine.target.cfg), model_signature(engine.draft.cfg),
-                       device, str(engine.runner.kv_dtype), batch_sizes,
-                       [g + 1 for g in gammas], [context], list(CATCH_UP_LENS), target_time,
-                       draft_time, catch_up)
+    def abort(self) -> None:
+        """End the profiling requests (their KV blocks freed)."""
+        if self.ids:
+            self.engine.abort_request(self.ids)
+            self.engine.step()
+
+
+def _measure_gammas(seqs: _ProfileSequences, batch: int) -> tuple[list[float], float]:
+    """At one batch size: the median step time less the draft loop and its catch-up per γ, and
+    the draft loop's time per draft forward at the largest γ (0 when Γmax is 0)."""
+    engine, forced, grid = seqs.engine, seqs.forced, seqs.grid
+    max_gamma = engine.max_gamma
+    target_times, draft_time = [], 0.0
+    for gamma in grid.gammas:
+        if seqs.room() < grid.need[gamma] + max_gamma:
+            seqs.fresh(batch)
+        forced.gamma = gamma
+        engine.step()  # settle: the draft catches up after γ = 0, compiles if lazy
+        rest, drafts = [], []
+        for _ in range(grid.steps):
+            engine.step()
+            o = engine.last_outcome
+            rest.append(o.step_time - o.draft_time - o.catch_up_time)
+            drafts.append(o.draft_time)
+        target_times.append(statistics.median(rest))
+        if gamma == max_gamma and gamma > 0:
+            draft_time = statistics.median(drafts) / engine.last_step.gamma
+    return target_times, draft_time
+
+
+def _measure_catch_up(seqs: _ProfileSequences, batch: int) -> list[float]:
+    """At one batch size: the catch-up time after each lag of CATCH_UP_LENS."""
+    engine, forced = seqs.engine, seqs.forced
+    if seqs.room() < seqs.grid.need_catch_up + engine.max_gamma:
+        seqs.fresh(batch)
+        # the draft has not read the new prompts yet: one drafting step lets it, or the first
+        # lag below would time the prompts' catch-up instead
+        forced.gamma = 1
+        engine.step()
+    return [_catch_up_step(engine, forced, lag).catch_up_time for lag in CATCH_UP_LENS]
 
 
 def _catch_up_step(engine, forced: ForcedGamma, lag: int):

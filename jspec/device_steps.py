@@ -8,7 +8,9 @@ the draft is, and no host round trip per drafted token.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,64 @@ MAX_PENDING = 2
 _DRAFT_STREAM = 3
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What a device step is compiled for (static: bound with ``functools.partial`` before
+    ``jit``). ``mesh`` and ``batch_invariant``: the tensor-parallel mesh and the target's
+    batch-invariant numerics (``forward``'s); ``num_steps``: the draft loop's most tokens;
+    ``with_stats``: the draft loop computes confidence and entropy and applies the stop rule,
+    a chain's middle level computes its acceptance-probability signal."""
+
+    cfg: ModelConfig
+    attention_fn: Callable
+    mesh: Any = None
+    batch_invariant: bool = False
+    num_steps: int = 0
+    with_stats: bool = False
+
+    def forward(self, params: dict, kv: KVCache, batch: ModelInput, attention_fn=None):
+        return forward(params, kv, batch, cfg=self.cfg,
+                       attention_fn=attention_fn or self.attention_fn, mesh=self.mesh,
+                       batch_invariant=self.batch_invariant)
+
+
+@array_dataclass
+class DraftInputs:
+    """The draft loop's host-built inputs: ``first`` feeds each drafting row's pending tokens
+    (1-2) and asks for logits at the last; ``next_positions`` [S] where drafted token 1 goes;
+    ``page_table`` [S, P]; ``gammas`` [S] tokens to draft; ``stop_confidence`` and
+    ``stop_entropy`` [S], the policy's stop rule."""
+
+    first: ModelInput
+    next_positions: jax.Array
+    page_table: jax.Array
+    gammas: jax.Array
+    stop_confidence: jax.Array
+    stop_entropy: jax.Array
+
+
+@array_dataclass
+class Drafts:
+    """A step's drafts as a verifier takes them (vLLM's ``SpecDecodeMetadata``): ``tokens``
+    [S, G]; ``slots`` [S, G], where each goes in the verify batch (out of range: not verified);
+    ``logits`` [S, G, V], the draft distribution q; ``num_drafted`` [S]."""
+
+    tokens: jax.Array
+    slots: jax.Array
+    logits: jax.Array
+    num_drafted: jax.Array
+
+
+@array_dataclass
+class Carried:
+    """A γ = 0 step's input tokens from the step before it, still on device (asynchronous
+    scheduling): row i's token is ``tokens[rows[i], 0]`` where ``rows[i] >= 0``, else the
+    host's."""
+
+    tokens: jax.Array
+    rows: jax.Array
+
+
 @array_dataclass
 class DraftResult:
     """tokens [S, G]; raw draft logits [S, G, V] (float32, needed by the rejection sampler and the
@@ -40,25 +100,11 @@ class DraftResult:
     entropy: jax.Array
 
 
-def draft_loop(
-    params: dict,
-    kv: KVCache,
-    first: ModelInput,
-    next_positions: jax.Array,
-    page_table: jax.Array,
-    gammas: jax.Array,
-    stop_confidence: jax.Array,
-    stop_entropy: jax.Array,
-    st: SamplingTensors,
-    *,
-    cfg: ModelConfig,
-    num_steps: int,
-    attention_fn,
-    with_stats: bool = True,
-):
-    """Draft up to ``num_steps`` tokens per sequence.
+def draft_loop(params: dict, kv: KVCache, inputs: DraftInputs, st: SamplingTensors, *,
+               opts: StepOptions):
+    """Draft up to ``opts.num_steps`` tokens per sequence.
 
-    ``first`` feeds each drafting sequence's pending tokens (the 1-2 tokens the draft has not
+    ``inputs.first`` feeds each drafting sequence's pending tokens (the 1-2 tokens the draft has not
     seen; longer lags were caught up before) and asks for logits at its last one: that is the
     distribution of x_1. Iterations k = 1.. feed x_k at position next_positions + k - 1, one token
     per sequence row. Rows that are not drafting (γ_i = 0, stopped, prefill, padding) see an
@@ -67,10 +113,14 @@ def draft_loop(
     A token j is drafted iff j < γ_i, the product of the confidences of the tokens before it is
     ≥ stop_confidence_i, and the entropy of its distribution is ≤ stop_entropy_i.
 
-    ``with_stats`` (static): compute confidence and entropy (two full-vocabulary reductions per
+    ``opts.with_stats``: compute confidence and entropy (two full-vocabulary reductions per
     drafted token) and apply the stop rules. Only policies that stop drafts early or ``select``
     read them; for the others the loop drafts exactly γ_i tokens and returns zeros there.
     """
+    cfg, num_steps, with_stats = opts.cfg, opts.num_steps, opts.with_stats
+    attention_fn = opts.attention_fn
+    next_positions, page_table, gammas = inputs.next_positions, inputs.page_table, inputs.gammas
+    stop_confidence, stop_entropy = inputs.stop_confidence, inputs.stop_entropy
     num_rows = gammas.shape[0]
     vocab = cfg.vocab_size
     uniforms = row_uniforms(st, _DRAFT_STREAM, num_steps)
@@ -91,7 +141,7 @@ def draft_loop(
     # while some row may draft token k + 1) feeds token k to the draft for the next logits. The
     # sampling graph costs more compile time than the draft's forward, so it is built once.
     # ``first`` brings at most MAX_PENDING tokens per row (input_batch asserts it): one tile each
-    logits0, kv = forward(params, kv, first, cfg=cfg,
+    logits0, kv = forward(params, kv, inputs.first, cfg=cfg,
                           attention_fn=functools.partial(attention_fn, max_q_len=MAX_PENDING))
     rows = jnp.arange(num_rows, dtype=jnp.int32)
 
@@ -132,21 +182,9 @@ def draft_loop(
     return DraftResult(tokens, logits_buf, num_drafted, conf_buf, ent_buf), kv
 
 
-def verify_forward(
-    params: dict,
-    kv: KVCache,
-    batch: ModelInput,
-    draft_tokens: jax.Array,
-    draft_slots: jax.Array,
-    *,
-    cfg: ModelConfig,
-    attention_fn,
-    mesh=None,
-    batch_invariant: bool = False,
-) -> tuple[jax.Array, KVCache]:
-    """One target pass over the ragged batch; returns logits [S*(G+1), V]. ``mesh``: the
-    tensor-parallel mesh the params and pool are sharded over; ``batch_invariant``: logits
-    independent of the batch (both jspec.models.transformer.forward's).
+def verify_forward(params: dict, kv: KVCache, batch: ModelInput, draft_tokens: jax.Array,
+                   draft_slots: jax.Array, *, opts: StepOptions) -> tuple[jax.Array, KVCache]:
+    """One target pass over the ragged batch; returns logits [S*(G+1), V].
 
     The host built ``batch`` before the draft ran, with placeholders where drafted tokens go;
     ``draft_slots [S, G]`` says which flat token each drafted token fills (out-of-range = not
@@ -156,39 +194,30 @@ def verify_forward(
     """
     input_ids = batch.input_ids.at[draft_slots.reshape(-1)].set(
         draft_tokens.reshape(-1), mode="drop")
-    batch = ModelInput(input_ids, batch.attn, batch.logits_indices)
-    return forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh,
-                   batch_invariant=batch_invariant)
+    return opts.forward(params, kv, ModelInput(input_ids, batch.attn, batch.logits_indices))
 
 
 def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: SamplingTensors,
-                      draft_tokens: jax.Array | None = None,
-                      draft_slots: jax.Array | None = None,
-                      draft_logits: jax.Array | None = None,
-                      num_drafted: jax.Array | None = None, *, cfg: ModelConfig, attention_fn,
-                      mesh=None, batch_invariant: bool = False,
-                      carried: jax.Array | None = None, carry_rows: jax.Array | None = None):
+                      feed: "Drafts | Carried", *, opts: StepOptions):
     """A decode-only step's verification in one call: the target forward, then rejection
-    sampling of the drafts or, without drafts (γ = 0: no draft arguments at all), plain
-    sampling. Returns (VerifyResult, logits, kv); the logits stay on device for the policy's
-    signals. Steps that carry prefill run the forward and the sampling as two executables
-    instead (compiled per token bucket, the sampling graph would multiply the compile time).
+    sampling of the drafts (``feed``: Drafts) or, without drafts (γ = 0; ``feed``: Carried),
+    plain sampling. Returns (VerifyResult, logits, kv); the logits stay on device for the
+    policy's signals. Steps that carry prefill run the forward and the sampling as two
+    executables instead (compiled per token bucket, the sampling graph would multiply the
+    compile time).
 
-    γ = 0 also takes ``carried`` [S, 1] (the previous step's sampled tokens, still on device)
-    and ``carry_rows`` [S]: row i's input token is ``carried[carry_rows[i]]`` where that is
-    >= 0, else the host's. Asynchronous scheduling dispatches a step before the host has seen
-    the tokens it feeds (LLMEngine.step)."""
-    if draft_tokens is None:
-        row_ids = jnp.where(carry_rows >= 0, carried[jnp.maximum(carry_rows, 0), 0],
+    At γ = 0 each row's input token may come from the previous step's sampled tokens, still on
+    device (``Carried``): asynchronous scheduling dispatches a step before the host has seen
+    the tokens it feeds (jspec/overlap.py)."""
+    if isinstance(feed, Carried):
+        row_ids = jnp.where(feed.rows >= 0, feed.tokens[jnp.maximum(feed.rows, 0), 0],
                             batch.input_ids)
-        batch = ModelInput(row_ids, batch.attn, batch.logits_indices)
-        logits, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn, mesh=mesh,
-                             batch_invariant=batch_invariant)
+        logits, kv = opts.forward(params, kv, ModelInput(row_ids, batch.attn,
+                                                         batch.logits_indices))
         return sample_tokens(logits, st), logits, kv
-    logits, kv = verify_forward(params, kv, batch, draft_tokens, draft_slots, cfg=cfg,
-                                attention_fn=attention_fn, mesh=mesh,
-                                batch_invariant=batch_invariant)
-    return rejection_sample(logits, draft_logits, draft_tokens, num_drafted, st), logits, kv
+    logits, kv = verify_forward(params, kv, batch, feed.tokens, feed.slots, opts=opts)
+    return (rejection_sample(logits, feed.logits, feed.tokens, feed.num_drafted, st), logits,
+            kv)
 
 
 # The random streams of an intermediate level's acceptance tests and correction draw (the
@@ -207,20 +236,19 @@ class IntermediateResult:
 
 
 def intermediate_verify(params: dict, kv: KVCache, batch: ModelInput, st: SamplingTensors,
-                        draft: DraftResult, draft_slots: jax.Array, *, cfg: ModelConfig,
-                        attention_fn, with_signal: bool = False):
+                        drafts: Drafts, *, opts: StepOptions):
     """A middle model of a chain verifies the first model's draft (SpecRouter §4.2, multi-level
     verification): one forward over each row's pending tokens and the drafted tokens
-    (``input_batch.intermediate_input``), then ``intermediate_accept``. Returns (DraftResult for
-    the target, IntermediateResult, kv)."""
-    logits, kv = verify_forward(params, kv, batch, draft.tokens, draft_slots, cfg=cfg,
-                                attention_fn=attention_fn)
-    out, verdict = intermediate_accept(logits, draft, st, with_signal=with_signal)
+    (``input_batch.intermediate_input``; ``drafts.slots`` place them), then
+    ``intermediate_accept`` (its signal with ``opts.with_stats``). Returns (DraftResult for the
+    target, IntermediateResult, kv)."""
+    logits, kv = verify_forward(params, kv, batch, drafts.tokens, drafts.slots, opts=opts)
+    out, verdict = intermediate_accept(logits, drafts, st, with_signal=opts.with_stats)
     return out, verdict, kv
 
 
-def intermediate_accept(logits: jax.Array, draft: DraftResult, st: SamplingTensors, *,
-                        with_signal: bool = False):
+def intermediate_accept(logits: jax.Array, draft: "DraftResult | Drafts",
+                        st: SamplingTensors, *, with_signal: bool = False):
     """The middle level's lossless rule: accept draft token x_j with probability
     min(1, p_mid(x_j) / q(x_j)), q the drafter's processed distribution, on random streams of
     its own; at the first rejection its correction comes from norm(max(0, p_mid - q)). What
@@ -247,8 +275,7 @@ def intermediate_accept(logits: jax.Array, draft: DraftResult, st: SamplingTenso
     return out, IntermediateResult(verdict.num_accepted, accept_prob)
 
 
-def catch_up(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
-             attention_fn) -> KVCache:
+def catch_up(params: dict, kv: KVCache, batch: ModelInput, *, opts: StepOptions) -> KVCache:
     """Feed tokens into a model's KV pool without sampling (the draft catching up)."""
-    _, kv = forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn)
+    _, kv = opts.forward(params, kv, batch)
     return kv

@@ -138,6 +138,43 @@ class StepSync:
             self.client.key_value_set_bytes(key, pickle.dumps(("stop", None)))
 
 
+class EngineEvents:
+    """An engine's side of a multi-process run: the leader records its requests and aborts and
+    shares them before every step, a follower replays them through its own ``add_request`` /
+    ``abort_request``; policy decisions are the leader's (``decide``)."""
+
+    def __init__(self, sync: StepSync):
+        self.sync = sync
+        self._events: list[tuple] = []
+
+    def record(self, *event) -> None:
+        if self.sync.leader:
+            self._events.append(event)
+
+    def replay(self, engine) -> None:
+        events = self.sync.share(self._take)
+        if self.sync.leader:
+            return
+        for event in events:
+            if event[0] == "add":
+                _, request_id, token_ids, sampling_params, cache_salt = event
+                engine.add_request(request_id, token_ids, sampling_params,
+                                   cache_salt=cache_salt)
+            else:
+                engine.abort_request(event[1])
+
+    def decide(self, compute: Callable[[], Any]) -> Any:
+        return self.sync.share(compute)
+
+    def stop(self) -> None:
+        """The leader is done: followers' next step raises LeaderStopped."""
+        self.sync.stop()
+
+    def _take(self) -> list[tuple]:
+        events, self._events = self._events, []
+        return events
+
+
 def follow(engine) -> int:
     """A follower's life: step whenever the leader steps, until it stops. Returns the steps."""
     steps = 0

@@ -14,38 +14,32 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
-import os
 import time
 from typing import Callable, Iterable
 
 import numpy as np
 
-from jspec import commit, engine_setup
-from jspec.block_manager import BlockManager, PrefixCacheStats
+from jspec import commit, engine_setup, policy_state
+from jspec.block_manager import PrefixCacheStats
 from jspec.commit import Committer
 from jspec.config import EngineConfig, gamma_buckets
-from jspec.distributed import StepSync
+from jspec.distributed import EngineEvents, StepSync
 from jspec.elastic import ElasticController
 from jspec.engine_info import EngineLimits, EngineStats
 from jspec.executor import Executor
-from jspec.jsonfile import read_json
 from jspec.metrics import EngineMetrics
 from jspec.output_processor import OutputProcessor
 from jspec.outputs import RequestOutput
 from jspec.overlap import AsyncSteps, SyncSteps
 from jspec.planner import Planner, Speculation
 from jspec.proposers import make_proposers
-from jspec.request_checks import check_cache_salt, check_prompt
-from jspec.runner import LoadedModel, ModelRunner
+from jspec.request_checks import check_request
+from jspec.runner import CompileSpec, LoadedModel
 from jspec.sampling_params import SamplingParams
-from jspec.scheduler import Scheduler, SchedulerConfig
 from jspec.sequence import Sequence
 from jspec.step_record import build_outcome
 from jspec.step_state import Fetched, StageClock, StepState
-from jspec.policies import Policy, StepOutcome, make_policy
-from jspec.policies.profile import StepProfile, model_signature
-from jspec.policies.static import OffPolicy
+from jspec.policies import Policy, StepOutcome
 
 
 class LLMEngine:
@@ -59,27 +53,19 @@ class LLMEngine:
             # Without a draft there is nothing to speculate with: plain decoding, no lookahead.
             config = dataclasses.replace(config, num_speculative_tokens=0, policy="off")
         self.config, self.tokenizer, self.target = config, tokenizer, target
-        policy = self._make_policy(policy, pool)
+        policy, self.pool_names = engine_setup.engine_policy(config, policy, target, pool)
+        self.max_gamma = config.num_speculative_tokens
         engine_setup.check_pool(config, pool)
         kv_dtype = engine_setup.kv_dtype_of(config, target)
         self.rc, memory = engine_setup.size_cache(config, target, pool, kv_dtype)
         chains = engine_setup.check_chains(policy, len(pool))
         self.gamma_buckets = gamma_buckets(policy.possible_gammas(), self.max_gamma) \
             if pool and chains else (0,)
-        self.block_manager = BlockManager(
-            self.rc.num_kv_blocks + self.rc.num_extension_blocks, config.block_size,
-            self.rc.num_extension_blocks, enable_caching=config.enable_prefix_caching,
-            num_pool_models=max(1, len(pool)),
-            namespace=repr([model_signature(m.cfg) for m in [target, *pool]]).encode())
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.rc.max_num_batched_tokens,
-            max_model_len=self.rc.max_model_len,
-            # reserve only what the policy can ever use (none for "off")
-            lookahead_slots=max(policy.possible_gammas()),
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        ), self.block_manager)
-        self.runner = self._make_runner(pool, kv_dtype, policy, chains)
+        self.block_manager, self.scheduler = engine_setup.make_scheduler(
+            self.rc, [target, *pool], max(policy.possible_gammas()))
+        self.runner = engine_setup.make_runner(self.rc, target, pool, kv_dtype, CompileSpec(
+            self.gamma_buckets, signals=policy.signals if pool else (),
+            draft_stats=policy.wants_draft_stats, chains=chains))
         self.elastic = None if memory is None else ElasticController(
             memory, self.runner, self.block_manager, self.scheduler)
         self.planner = Planner(self.rc, self.scheduler, self.block_manager, policy, Speculation(
@@ -89,10 +75,7 @@ class LLMEngine:
         self.planner.draft_resident = lambda: self.draft_resident
         self.chains = chains
         self.executor = Executor(self.runner, self.rc)
-        eos = set(target.cfg.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.outputs = OutputProcessor(tokenizer, eos)
+        self.outputs = OutputProcessor(tokenizer, target.cfg.eos_token_ids)
         self.committer = Committer(self.scheduler, self.block_manager, self.outputs)
         self.reset_metrics()
         self._arrivals = itertools.count()
@@ -103,43 +86,12 @@ class LLMEngine:
         self._step_listeners: list[Callable[[StepOutcome], None]] = []
         # several hosts (jspec/distributed.py): the leader's requests, aborts and policy
         # decisions, shared so that every process runs the same steps
-        self.sync: StepSync | None = None
-        self._events: list[tuple] = []
+        self.sync: EngineEvents | None = None
         # benchmarks: sync between device stages so StepOutcome.stage_times splits them exactly
         self.time_stages = False
         if config.warmup:
             self.warmup()
             self.ensure_profile()
-
-    def _make_policy(self, policy: Policy | None, pool: list[LoadedModel]) -> Policy:
-        config = self.config
-        policy = policy or make_policy(config.policy, config.num_speculative_tokens,
-                                       **config.policy_kwargs)
-        if not pool and not isinstance(policy, OffPolicy):
-            policy = OffPolicy(0)
-        # names of the pool's models, as chains, policy options and metrics call them: one
-        # draft is "draft" whatever it was loaded as
-        self.pool_names = tuple(m.name for m in pool) if len(pool) > 1 else ("draft",)
-        policy.set_pool(self.pool_names)
-        self.max_gamma = config.num_speculative_tokens
-        profile = getattr(policy, "profile", None)
-        if isinstance(profile, StepProfile) and pool:
-            profile.check_models(model_signature(self.target.cfg), model_signature(pool[0].cfg))
-        if policy.max_gamma > self.max_gamma:
-            raise ValueError(f"policy max_gamma={policy.max_gamma} exceeds "
-                             f"num_speculative_tokens={self.max_gamma}")
-        return policy
-
-    def _make_runner(self, pool, kv_dtype, policy: Policy, chains) -> ModelRunner:
-        runner_cls = ModelRunner
-        if self.config.synthetic_acceptance is not None and pool:
-            from jspec.synthetic import parse_acceptance, synthetic_runner
-
-            runner_cls = synthetic_runner(ModelRunner, parse_acceptance(
-                self.config.synthetic_acceptance, seed=self.config.seed))
-        return runner_cls(self.target, pool, self.rc, self.gamma_buckets, kv_dtype,
-                          signals=policy.signals if pool else (),
-                          draft_stats=policy.wants_draft_stats, chains=chains)
 
     # ------------------------------------------------------------------ state shared by stages
     @property
@@ -219,21 +171,10 @@ class LLMEngine:
     def save_policy_state(self, path: str) -> None:
         """Write the policy's learned state (bandit statistics, EMAs) as JSON, so a restarted
         engine can continue from it (``load_policy_state``)."""
-        state = {"policy": self.policy.name, "max_gamma": self.policy.max_gamma,
-                 "state": self.policy.state_dict()}
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, path)  # never leave a half-written file behind
+        policy_state.save(self.policy, path)
 
     def load_policy_state(self, path: str) -> None:
-        saved = read_json(path, "policy state")
-        if not isinstance(saved, dict) or "state" not in saved:
-            raise ValueError(f"{path!r} is not a jspec policy state file")
-        if saved.get("policy") != self.policy.name:
-            raise ValueError(f"policy state {path!r} belongs to policy {saved.get('policy')!r}, "
-                             f"the engine runs {self.policy.name!r}")
-        self.policy.load_state_dict(saved["state"])
+        policy_state.load(self.policy, path)
 
     # ------------------------------------------------------------------ requests
     def warmup(self, progress=None, max_rows: int | None = None) -> int:
@@ -257,32 +198,11 @@ class LLMEngine:
         """Tokenize and check a request; raise ValueError naming the problem before anything
         runs (the server's checks are these same ones: ``jspec.request_checks``,
         ``EngineLimits``)."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got "
-                             f"{type(sampling_params).__name__}")
-        check_cache_salt(cache_salt)
-        prompt = check_prompt(prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            token_ids = list(self.tokenizer.encode(prompt))
-            if not token_ids:
-                raise ValueError("prompt is empty")
-        else:
-            token_ids = prompt
-        vocab = self.target.cfg.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if sampling_params.logprobs is not None:
-            if self.config.synthetic_acceptance is not None:
-                raise ValueError("logprobs are not available with synthetic_acceptance: the "
-                                 "emitted tokens are drawn from an acceptance model, not "
-                                 "sampled")
-            self.limits.check_logprobs(sampling_params.logprobs)
-        self.limits.check_prompt_length(len(token_ids))
-        self.limits.check_max_tokens(len(token_ids), sampling_params.max_tokens)
-        return token_ids
+        refusal = None if self.config.synthetic_acceptance is None else (
+            "logprobs are not available with synthetic_acceptance: the emitted tokens are "
+            "drawn from an acceptance model, not sampled")
+        return check_request(prompt, sampling_params, cache_salt, tokenizer=self.tokenizer,
+                             limits=self.limits, logprobs_refusal=refusal)
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None,
@@ -307,13 +227,13 @@ class LLMEngine:
                        draft_computed=[0] * max(1, len(self.runner.pool)))
         self.outputs.add(seq, prompt if isinstance(prompt, str) else None, now)
         self.scheduler.add(seq)
-        if self.sync is not None and self.sync.leader:
-            self._events.append(("add", request_id, token_ids, sampling_params, cache_salt))
+        if self.sync is not None:
+            self.sync.record("add", request_id, token_ids, sampling_params, cache_salt)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if self.sync is not None and self.sync.leader:
-            self._events.append(("abort", ids))
+        if self.sync is not None:
+            self.sync.record("abort", ids)
         for rid in ids:
             req = self.outputs.requests.get(rid)
             if req is None:
@@ -358,35 +278,18 @@ class LLMEngine:
         """Run as one of several processes (jspec/distributed.py): as the leader, publish
         every step's requests, aborts and policy decisions; as a follower, take them from the
         leader (a follower's own add_request / abort_request calls are the replayed ones)."""
-        self.sync = sync
-
-    def _replay_events(self) -> None:
-        """Several processes: every one applies the leader's requests and aborts."""
-        if self.sync is None:
-            return
-        events = self.sync.share(self._take_events)
-        if self.sync.leader:
-            return
-        for event in events:
-            if event[0] == "add":
-                _, request_id, token_ids, sampling_params, cache_salt = event
-                self.add_request(request_id, token_ids, sampling_params, cache_salt=cache_salt)
-            else:
-                self.abort_request(event[1])
-
-    def _take_events(self) -> list[tuple]:
-        events, self._events = self._events, []
-        return events
+        self.sync = EngineEvents(sync)
 
     def _decide(self, decide: Callable):
         """A policy decision: the leader's on every process of a multi-process run."""
-        return decide() if self.sync is None else self.sync.share(decide)
+        return decide() if self.sync is None else self.sync.decide(decide)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs committed (``jspec/overlap.py``: with
         asynchronous scheduling, a step's commit may come with the next call)."""
-        self._replay_events()
+        if self.sync is not None:
+            self.sync.replay(self)                      # the leader's requests and aborts
         self._memory_tick()
         outputs = self.outputs.take_pending()
         self.overlap.begin(outputs)                     # the in-flight step: held, or committed
@@ -481,33 +384,10 @@ class LLMEngine:
         """What the engine can hold (fixed once it is built; computed on first use)."""
         limits = self.__dict__.get("_limits")
         if limits is None:
-            capacity = self.block_manager.num_base_usable_blocks * self.config.block_size
-            limits = self._limits = EngineLimits(
-                max_model_len=self.rc.max_model_len, kv_capacity_tokens=capacity,
-                context_limit=min(self.rc.max_model_len, capacity),
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.rc.max_num_batched_tokens,
-                block_size=self.config.block_size,
-                num_kv_blocks=self.block_manager.num_base_usable_blocks,
-                num_kv_extension_blocks=self.block_manager.num_extension_blocks,
-                vocab_size=self.target.cfg.vocab_size, has_draft=self.draft is not None,
-                policy=self.policy.name, max_gamma=self.max_gamma,
-                gamma_buckets=tuple(self.gamma_buckets),
-                draft_pool=self.pool_names if self.runner.pool else (),
-                max_logprobs=(self.runner.logprobs_width
-                              if self.config.synthetic_acceptance is None else 0))
+            limits = self._limits = EngineLimits.of(self)
         return limits
 
     def stats(self) -> EngineStats:
         """A snapshot of the load, the KV cache and the counters; safe to call from another
         thread while the engine steps (each value is read whole; see EngineStats)."""
-        bm = self.block_manager
-        total = bm.num_usable_blocks
-        free = bm.num_free_blocks
-        return EngineStats(num_running=self.scheduler.num_running,
-                           num_waiting=self.scheduler.num_waiting, kv_blocks_total=total,
-                           kv_blocks_used=total - free, kv_blocks_free=free,
-                           kv_blocks_cached=bm.num_cached_blocks,
-                           draft_resident=self.draft_resident,
-                           device_memory_bytes=self.runner.device_bytes(),
-                           metrics=self.metrics.as_dict())
+        return EngineStats.of(self)

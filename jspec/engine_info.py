@@ -40,6 +40,25 @@ class EngineLimits:
     # the most top log-probabilities a request may ask for (0: none, not even the token's own)
     max_logprobs: int = 0
 
+    @classmethod
+    def of(cls, engine) -> "EngineLimits":
+        """An ``LLMEngine``'s limits, from its config, block manager and runner."""
+        bm, config = engine.block_manager, engine.config
+        capacity = bm.num_base_usable_blocks * config.block_size
+        return cls(
+            max_model_len=engine.rc.max_model_len, kv_capacity_tokens=capacity,
+            context_limit=min(engine.rc.max_model_len, capacity),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=engine.rc.max_num_batched_tokens,
+            block_size=config.block_size, num_kv_blocks=bm.num_base_usable_blocks,
+            num_kv_extension_blocks=bm.num_extension_blocks,
+            vocab_size=engine.target.cfg.vocab_size, has_draft=engine.draft is not None,
+            policy=engine.policy.name, max_gamma=engine.max_gamma,
+            gamma_buckets=tuple(engine.gamma_buckets),
+            draft_pool=engine.pool_names if engine.runner.pool else (),
+            max_logprobs=(engine.runner.logprobs_width
+                          if config.synthetic_acceptance is None else 0))
+
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt a request may have (one token must remain for the output)."""
@@ -101,6 +120,17 @@ class EngineStats:
     metrics: dict[str, Any]  # EngineMetrics.as_dict(): counters since the engine was built
     # blocks in the prefix cache's index, held by requests or free for reuse (0 without caching)
     kv_blocks_cached: int = 0
+
+    @classmethod
+    def of(cls, engine) -> "EngineStats":
+        """A snapshot of an ``LLMEngine``."""
+        bm, scheduler = engine.block_manager, engine.scheduler
+        total, free = bm.num_usable_blocks, bm.num_free_blocks
+        return cls(num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+                   kv_blocks_total=total, kv_blocks_used=total - free, kv_blocks_free=free,
+                   kv_blocks_cached=bm.num_cached_blocks, draft_resident=engine.draft_resident,
+                   device_memory_bytes=engine.runner.device_bytes(),
+                   metrics=engine.metrics.as_dict())
 
     @property
     def num_unfinished(self) -> int:

@@ -8,13 +8,17 @@ import dataclasses
 import jax
 import numpy as np
 
+from jspec.block_manager import BlockManager
 from jspec.config import EngineConfig, ResolvedConfig, resolve
 from jspec.elastic import ElasticMemory, extension_blocks, tree_bytes
 from jspec.platform import device_free_bytes
-from jspec.runner import LoadedModel
+from jspec.runner import CompileSpec, LoadedModel, ModelRunner
+from jspec.scheduler import Scheduler, SchedulerConfig
 from jspec.models.sharding import check_shardable
 from jspec.models.transformer import KVCache
-from jspec.policies import Policy
+from jspec.policies import Policy, make_policy
+from jspec.policies.profile import StepProfile, model_signature
+from jspec.policies.static import OffPolicy
 
 
 def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
@@ -98,3 +102,53 @@ def size_cache(config: EngineConfig, target: LoadedModel, pool: list[LoadedModel
     rc = dataclasses.replace(rc, num_extension_blocks=num_ext)
     return rc, ElasticMemory(rc.num_kv_blocks - 1, num_ext, config.elastic_low_watermark,
                              config.elastic_persist_steps)
+
+
+def engine_policy(config: EngineConfig, policy: Policy | None, target: LoadedModel,
+                  pool: list[LoadedModel]) -> tuple[Policy, tuple[str, ...]]:
+    """The policy the engine runs (the config's unless one is given; ``off`` without a draft)
+    and the pool's names as chains, policy options and metrics call them (one draft is
+    "draft" whatever it was loaded as)."""
+    policy = policy or make_policy(config.policy, config.num_speculative_tokens,
+                                   **config.policy_kwargs)
+    if not pool and not isinstance(policy, OffPolicy):
+        policy = OffPolicy(0)
+    pool_names = tuple(m.name for m in pool) if len(pool) > 1 else ("draft",)
+    policy.set_pool(pool_names)
+    profile = getattr(policy, "profile", None)
+    if isinstance(profile, StepProfile) and pool:
+        profile.check_models(model_signature(target.cfg), model_signature(pool[0].cfg))
+    if policy.max_gamma > config.num_speculative_tokens:
+        raise ValueError(f"policy max_gamma={policy.max_gamma} exceeds "
+                         f"num_speculative_tokens={config.num_speculative_tokens}")
+    return policy, pool_names
+
+
+def make_scheduler(rc: ResolvedConfig, models: list[LoadedModel], lookahead: int
+                   ) -> tuple[BlockManager, Scheduler]:
+    """The block manager over every model's pool (target first) and the scheduler, reserving
+    ``lookahead`` KV slots per decoding sequence (only what the policy can ever use)."""
+    config = rc.engine
+    block_manager = BlockManager(
+        rc.num_kv_blocks + rc.num_extension_blocks, config.block_size,
+        rc.num_extension_blocks, enable_caching=config.enable_prefix_caching,
+        num_pool_models=max(1, len(models) - 1),
+        namespace=repr([model_signature(m.cfg) for m in models]).encode())
+    scheduler = Scheduler(SchedulerConfig(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=rc.max_num_batched_tokens,
+        max_model_len=rc.max_model_len, lookahead_slots=lookahead,
+        enable_chunked_prefill=config.enable_chunked_prefill), block_manager)
+    return block_manager, scheduler
+
+
+def make_runner(rc: ResolvedConfig, target: LoadedModel, pool: list[LoadedModel], kv_dtype,
+                spec: CompileSpec) -> ModelRunner:
+    """The model runner; in the synthetic benchmark mode, wrapped so that acceptance follows
+    the configured model (jspec/synthetic.py)."""
+    runner_cls = ModelRunner
+    if rc.engine.synthetic_acceptance is not None and pool:
+        from jspec.synthetic import parse_acceptance, synthetic_runner
+
+        runner_cls = synthetic_runner(ModelRunner, parse_acceptance(
+            rc.engine.synthetic_acceptance, seed=rc.engine.seed))
+    return runner_cls(target, pool, rc, kv_dtype, spec)

@@ -5,6 +5,7 @@ signals. Everything stays on device until the step's one transfer (``LLMEngine.c
 from __future__ import annotations
 
 from jspec import input_batch as ib
+from jspec.device_steps import Drafts
 from jspec.step_state import StageClock, StepState
 
 
@@ -29,9 +30,11 @@ class Executor:
             st.logits = self.runner.run_verify_forward(st.batch, st.draft_tokens,
                                                        st.draft_slots, st.gamma)
             return
-        st.result, st.logits = self.runner.run_verify_accept(
-            st.batch, st.draft_tokens, st.draft_slots, st.draft_logits, st.num_drafted,
-            st.sampling, st.gamma, carry)
+        feed = carry
+        if st.gamma:
+            feed = Drafts(st.draft_tokens, st.draft_slots, st.draft_logits, st.num_drafted)
+        st.result, st.logits = self.runner.run_verify_accept(st.batch, feed, st.sampling,
+                                                             st.gamma)
 
     def accept(self, st: StepState, clock: StageClock) -> None:
         """Sampling of a step that carried prefill, the logprobs a request asked for, and the

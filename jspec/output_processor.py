@@ -37,9 +37,12 @@ class RequestState:
 class OutputProcessor:
     """The requests the engine serves, keyed by id, and the outputs built for them."""
 
-    def __init__(self, tokenizer, eos_token_ids: set[int]):
+    def __init__(self, tokenizer, eos_token_ids):
+        """``eos_token_ids``: the target's; the tokenizer's EOS counts too."""
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = set(eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(tokenizer.eos_token_id))
         self.requests: dict[str, RequestState] = {}
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, per token id
         # outputs produced outside a step (aborts), handed out by the next one

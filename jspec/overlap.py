@@ -20,6 +20,7 @@ import numpy as np
 
 from jspec import commit
 from jspec import input_batch as ib
+from jspec.device_steps import Carried
 from jspec.sequence import SequenceStatus
 from jspec.step_state import StageClock, StepState
 
@@ -101,7 +102,7 @@ class AsyncSteps(SyncSteps):
         where = {id(r.seq): i for i, r in enumerate(prev.rows)}
         st.carry_rows = np.full(st.num_rows, -1, np.int32)
         st.carry_rows[:len(st.rows)] = [where[id(r.seq)] for r in st.rows]
-        return prev.result.tokens, st.carry_rows
+        return Carried(prev.result.tokens, st.carry_rows)
 
     def dispatched(self, st: StepState, outputs: list) -> None:
         prev, self.prev = self.prev, None

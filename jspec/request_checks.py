@@ -15,6 +15,8 @@ import json
 import numbers
 from typing import Any
 
+from jspec.sampling_params import SamplingParams
+
 
 class RequestError(ValueError):
     """Bad input in one field of a request: ``param`` is the field's path, ``code`` the OpenAI
@@ -154,3 +156,34 @@ def render_chat(tokenizer, messages: list[dict[str, str]], param: str = "message
     except Exception as e:  # noqa: BLE001 - the template itself refused (jinja raise_exception)
         raise RequestError(param, f"the chat template cannot render these messages: "
                                   f"{e}") from None
+
+
+def check_request(prompt, sampling_params, cache_salt: str | None, *, tokenizer, limits,
+                  logprobs_refusal: str | None = None) -> list[int]:
+    """A request's prompt as token ids, checked with its sampling parameters and salt against
+    an engine's ``limits`` (``EngineLimits``); a ValueError naming the problem otherwise.
+    ``logprobs_refusal``: why this engine returns no logprobs at all, when it cannot."""
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got "
+                         f"{type(sampling_params).__name__}")
+    check_cache_salt(cache_salt)
+    prompt = check_prompt(prompt)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+        token_ids = list(tokenizer.encode(prompt))
+        if not token_ids:
+            raise ValueError("prompt is empty")
+    else:
+        token_ids = prompt
+    vocab = limits.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    if sampling_params.logprobs is not None:
+        if logprobs_refusal is not None:
+            raise ValueError(logprobs_refusal)
+        limits.check_logprobs(sampling_params.logprobs)
+    limits.check_prompt_length(len(token_ids))
+    limits.check_max_tokens(len(token_ids), sampling_params.max_tokens)
+    return token_ids

@@ -129,11 +129,6 @@ def _spec(tree):
     return jax.tree_util.tree_map(one, tree)
 
 
-def _carrying(fn, params, kv, batch, st, carried, carry_rows):
-    """``verify_and_accept`` at γ = 0 with the previous step's tokens as positional inputs."""
-    return fn(params, kv, batch, st, carried=carried, carry_rows=carry_rows)
-
-
 @dataclasses.dataclass
 class LoadedModel:
     cfg: ModelConfig
@@ -141,11 +136,21 @@ class LoadedModel:
     name: str = "model"
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """What the policy needs compiled: the γ buckets, the per-position signals it reads
+    (``Policy.signals``), whether the draft loop computes its stop statistics
+    (``Policy.wants_draft_stats``) and the chains it may play (``Policy.possible_chains``)."""
+
+    gamma_buckets: tuple[int, ...] = (0,)
+    signals: tuple[str, ...] = ()
+    draft_stats: bool = False
+    chains: frozenset[tuple[int, ...]] = frozenset({(0,)})
+
+
 class ModelRunner:
     def __init__(self, target: LoadedModel, draft: "LoadedModel | list[LoadedModel] | None",
-                 rc: ResolvedConfig, gamma_buckets: tuple[int, ...], kv_dtype,
-                 signals: tuple[str, ...] = (), draft_stats: bool = False,
-                 chains: frozenset[tuple[int, ...]] = frozenset({(0,)})):
+                 rc: ResolvedConfig, kv_dtype, spec: CompileSpec = CompileSpec()):
         self.target = target
         # The draft pool (smallest first): each model has its own KV pool over the same block
         # ids, so one block manager and one page table per sequence serve every model.
@@ -167,14 +172,13 @@ class ModelRunner:
                 target, params=sharding.shard_params(target.params, target.cfg, self.mesh))
             self.pool = [dataclasses.replace(m, params=sharding.replicate(m.params, self.mesh))
                          for m in self.pool]
-        self.gamma_buckets = gamma_buckets
+        self.gamma_buckets = spec.gamma_buckets
         self.kv_dtype = kv_dtype
-        # what the policy reads (jspec.policies.base.Policy.signals / wants_draft_stats):
-        # compiled in
-        self.signals = tuple(sorted(signals))
-        self.draft_stats = bool(draft_stats)
-        # the chains the policy may play (Policy.possible_chains): what gets compiled
-        self.chains = frozenset(c for c in chains if c) if self.pool else frozenset()
+        # what the policy reads: compiled in
+        self.signals = tuple(sorted(spec.signals))
+        self.draft_stats = bool(spec.draft_stats)
+        # the chains the policy may play: what gets compiled
+        self.chains = frozenset(c for c in spec.chains if c) if self.pool else frozenset()
         # the target's forwards in batch-invariant numerics (EngineConfig.deterministic): what
         # greedy equality with plain decoding needs; the drafts only propose, so they keep the
         # cheaper batch-dependent arithmetic
@@ -206,7 +210,7 @@ class ModelRunner:
         self._draft_host = None  # the draft's params in host memory, once offloaded
         self._draft_shardings = None
         self._local: dict[tuple, Any] = {}
-        self._no_carry_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._no_carry_arrays: dict[int, device_steps.Carried] = {}
         # migration plans run in chunks of one padded size: one compile, done at warm-up
         self.migrate_bucket = min(256, 1 << (max(16, rc.num_extension_blocks) - 1).bit_length())
         self.num_compiled = 0  # executables this runner had to build (not found in the cache)
@@ -376,14 +380,13 @@ class ModelRunner:
         ``segmented``: over the pool with its extension segment (γ = 0 only). ``decode_only``:
         every sequence brings at most γ + 1 tokens (the forward inside
         ``verify_accept_executable``, which the step benchmark replays alone)."""
-        attn = self._attention(gamma + 1 if decode_only else None, target=True)
+        opts = self._target_options(gamma + 1 if decode_only else None)
 
         def build():
             specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1))]
-            fn = device_steps.verify_forward if gamma else forward
-            fn = functools.partial(fn, cfg=self.target.cfg, attention_fn=attn, mesh=self.mesh,
-                                   batch_invariant=self.batch_invariant)
+            fn = (functools.partial(device_steps.verify_forward, opts=opts) if gamma
+                  else opts.forward)
             if gamma:
                 specs += [self._sds((num_seqs, gamma), jnp.int32)] * 2
             return self._compile(fn, specs, donate_kv=True)
@@ -396,25 +399,31 @@ class ModelRunner:
         num_tokens = num_seqs * (1 + gamma)
 
         def build():
-            vocab = self.target.cfg.vocab_size
-            fn = functools.partial(device_steps.verify_and_accept, cfg=self.target.cfg,
-                                   attention_fn=self._attention(gamma + 1, target=True),
-                                   mesh=self.mesh, batch_invariant=self.batch_invariant)
+            fn = functools.partial(device_steps.verify_and_accept,
+                                   opts=self._target_options(gamma + 1))
             specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs)]
             if gamma:
-                specs += [self._sds((num_seqs, gamma), jnp.int32),
-                          self._sds((num_seqs, gamma), jnp.int32),
-                          self._sds((num_seqs, gamma, vocab), jnp.float32),
-                          self._sds((num_seqs,), jnp.int32)]
-            else:  # the previous step's tokens and where they go (LLMEngine's async steps)
-                fn = functools.partial(_carrying, fn)
-                specs += [self._sds((num_seqs, 1), jnp.int32), self._sds((num_seqs,), jnp.int32)]
+                specs.append(self._drafts_spec(num_seqs, gamma))
+            else:  # the previous step's tokens and where they go (asynchronous scheduling)
+                specs.append(device_steps.Carried(self._sds((num_seqs, 1), jnp.int32),
+                                                  self._sds((num_seqs,), jnp.int32)))
             return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("verify_accept", num_seqs, gamma, segmented), self.target,
                                 build)
+
+    def _target_options(self, max_q_len: int | None) -> device_steps.StepOptions:
+        return device_steps.StepOptions(self.target.cfg, self._attention(max_q_len, target=True),
+                                        mesh=self.mesh, batch_invariant=self.batch_invariant)
+
+    def _drafts_spec(self, num_seqs: int, gamma: int) -> device_steps.Drafts:
+        i32 = jnp.int32
+        return device_steps.Drafts(
+            tokens=self._sds((num_seqs, gamma), i32), slots=self._sds((num_seqs, gamma), i32),
+            logits=self._sds((num_seqs, gamma, self.target.cfg.vocab_size), jnp.float32),
+            num_drafted=self._sds((num_seqs,), i32))
 
     def accept_executable(self, num_seqs: int, gamma: int):
         """Rejection sampling (γ > 0) or plain sampling (γ = 0) of the verify logits."""
@@ -472,21 +481,19 @@ class ModelRunner:
         m = self.pool[model]
 
         def build():
-            fn = functools.partial(device_steps.draft_loop, cfg=m.cfg,
-                                   num_steps=gamma, attention_fn=self._attn,
-                                   with_stats=self.draft_stats)
+            opts = device_steps.StepOptions(m.cfg, self._attn, num_steps=gamma,
+                                            with_stats=self.draft_stats)
+            fn = functools.partial(device_steps.draft_loop, opts=opts)
             i32, f32 = jnp.int32, jnp.float32
             s = (num_seqs,)
-            specs = (
-                _spec(m.params), _spec(self.pool_kv[model]),
-                self._input_spec(device_steps.MAX_PENDING * num_seqs, num_seqs, num_seqs),
-                self._sds(s, i32),
-                self._sds((num_seqs, self.rc.max_pages), i32),
-                self._sds(s, i32),
-                self._sds(s, f32),
-                self._sds(s, f32),
-                self._sampling_spec(num_seqs),
-            )
+            inputs = device_steps.DraftInputs(
+                first=self._input_spec(device_steps.MAX_PENDING * num_seqs, num_seqs, num_seqs),
+                next_positions=self._sds(s, i32),
+                page_table=self._sds((num_seqs, self.rc.max_pages), i32),
+                gammas=self._sds(s, i32), stop_confidence=self._sds(s, f32),
+                stop_entropy=self._sds(s, f32))
+            specs = (_spec(m.params), _spec(self.pool_kv[model]), inputs,
+                     self._sampling_spec(num_seqs))
             return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("draft", num_seqs, gamma, self.draft_stats, model), m, build)
@@ -498,23 +505,14 @@ class ModelRunner:
         with_signal = "accept_prob" in self.signals
 
         def build():
-            vocab = m.cfg.vocab_size
             # a drafting row brings its pending tokens and its γ_i <= γ drafted ones
             width = gamma + device_steps.MAX_PENDING
-            fn = functools.partial(device_steps.intermediate_verify, cfg=m.cfg,
-                                   attention_fn=self._attention(width),
-                                   with_signal=with_signal)
-            i32, f32 = jnp.int32, jnp.float32
-            draft = device_steps.DraftResult(
-                tokens=self._sds((num_seqs, gamma), i32),
-                logits=self._sds((num_seqs, gamma, vocab), f32),
-                num_drafted=self._sds((num_seqs,), i32),
-                confidence=self._sds((num_seqs, gamma), f32),
-                entropy=self._sds((num_seqs, gamma), f32))
+            opts = device_steps.StepOptions(m.cfg, self._attention(width),
+                                            with_stats=with_signal)
+            fn = functools.partial(device_steps.intermediate_verify, opts=opts)
             specs = (_spec(m.params), _spec(self.pool_kv[model]),
                      self._input_spec(num_seqs * width, num_seqs, num_seqs * (gamma + 1)),
-                     self._sampling_spec(num_seqs), draft,
-                     self._sds((num_seqs, gamma), i32))
+                     self._sampling_spec(num_seqs), self._drafts_spec(num_seqs, gamma))
             return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("intermediate", num_seqs, gamma, with_signal, model), m, build)
@@ -526,7 +524,8 @@ class ModelRunner:
         m = self.pool[model]
 
         def build():
-            fn = functools.partial(device_steps.catch_up, cfg=m.cfg, attention_fn=self._attn)
+            fn = functools.partial(device_steps.catch_up,
+                                   opts=device_steps.StepOptions(m.cfg, self._attn))
             specs = (_spec(m.params), _spec(self.pool_kv[model]),
                      self._input_spec(num_tokens, self.catch_up_rows, 2))
             return self._compile(fn, specs, donate_kv=True)
@@ -559,27 +558,24 @@ class ModelRunner:
         logits, self.target_kv = forward(self.target.params, self.target_kv, batch, *args)
         return logits
 
-    def run_verify_accept(self, batch: ModelInput, draft_tokens, draft_slots, draft_logits,
-                          num_drafted, st: SamplingTensors, gamma: int, carry=None):
+    def run_verify_accept(self, batch: ModelInput, feed, st: SamplingTensors, gamma: int):
         """A decode-only step's verification: (VerifyResult, logits), both on device.
-        ``carry`` (γ = 0 only): (tokens [S, 1] on device, rows [S]) as ``verify_and_accept``
-        takes them; None feeds every row the host's token."""
+        ``feed``: the step's ``device_steps.Drafts`` (γ > 0), or at γ = 0 the previous step's
+        tokens (``device_steps.Carried``) or None (every row feeds the host's token)."""
         num_seqs = batch.attn.kv_lens.shape[0]
         exe = self.verify_accept_executable(num_seqs, gamma, self._segmented)
-        if gamma:
-            extra = (draft_tokens, draft_slots, draft_logits, num_drafted)
-        else:
-            extra = carry if carry is not None else self._no_carry(num_seqs)
+        if feed is None:
+            feed = self._no_carry(num_seqs)
         result, logits, self.target_kv = exe(self.target.params, self.target_kv, batch, st,
-                                             *extra)
+                                             feed)
         return result, logits
 
-    def _no_carry(self, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
-        arrays = self._no_carry_arrays.get(num_seqs)
-        if arrays is None:
-            arrays = self._no_carry_arrays[num_seqs] = (
+    def _no_carry(self, num_seqs: int) -> device_steps.Carried:
+        carried = self._no_carry_arrays.get(num_seqs)
+        if carried is None:
+            carried = self._no_carry_arrays[num_seqs] = device_steps.Carried(
                 np.zeros((num_seqs, 1), np.int32), np.full(num_seqs, -1, np.int32))
-        return arrays
+        return carried
 
     def run_accept(self, logits, draft_logits, draft_tokens, num_drafted, st: SamplingTensors,
                    gamma: int) -> VerifyResult:
@@ -606,22 +602,21 @@ class ModelRunner:
         if not self.draft_resident:
             raise RuntimeError("the draft model is offloaded (elastic memory): reload it first")
 
-    def run_draft(self, first: ModelInput, next_positions, page_table, gammas, stop_confidence,
-                  stop_entropy, st: SamplingTensors, gamma: int, model: int = 0):
+    def run_draft(self, inputs: device_steps.DraftInputs, st: SamplingTensors, gamma: int,
+                  model: int = 0):
         self._check_draft_resident()
-        exe = self.draft_executable(gammas.shape[0], gamma, model)
-        result, self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model], first,
-                                          next_positions, page_table, gammas, stop_confidence,
-                                          stop_entropy, st)
+        exe = self.draft_executable(inputs.gammas.shape[0], gamma, model)
+        result, self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model], inputs,
+                                          st)
         return result
 
-    def run_intermediate(self, batch: ModelInput, st: SamplingTensors, draft, draft_slots,
-                         gamma: int, model: int):
+    def run_intermediate(self, batch: ModelInput, st: SamplingTensors,
+                         drafts: device_steps.Drafts, gamma: int, model: int):
         """(DraftResult for the target, IntermediateResult), both on device."""
         self._check_draft_resident()
         exe = self.intermediate_executable(st.temperature.shape[0], gamma, model)
         out, verdict, self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model],
-                                                batch, st, draft, draft_slots)
+                                                batch, st, drafts)
         return out, verdict
 
     def run_catch_up(self, batch: ModelInput, model: int = 0) -> None:

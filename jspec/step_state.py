@@ -38,7 +38,7 @@ class StepState:
     # verdict (device_steps.IntermediateResult); ``draft`` then holds the middle model's draft
     first_drafted: Any = None
     intermediate: Any = None
-    draft_inputs: tuple | None = None  # the draft loop's host inputs (benchmarks replay them)
+    draft_inputs: Any = None  # the draft loop's DraftInputs (benchmarks replay them)
     batch: Any = None  # the verify batch (ModelInput, drafts as placeholders)
     draft_slots: np.ndarray | None = None  # [num_rows, γ] where each draft goes in ``batch``
     catch_up_tokens: int = 0

@@ -83,7 +83,7 @@ def _draft_call(engine, st):
     if not st.gamma or st.draft_inputs is None:
         return None
     runner = engine.runner
-    return lambda: runner.run_draft(*st.draft_inputs, st.sampling, st.gamma).tokens
+    return lambda: runner.run_draft(st.draft_inputs, st.sampling, st.gamma).tokens
 
 
 def bare_forward(engine, st) -> float:

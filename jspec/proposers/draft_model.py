@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jspec import input_batch as ib
+from jspec.device_steps import DraftInputs, Drafts
 from jspec.proposers.base import Proposer
 
 
@@ -40,8 +41,9 @@ class DraftModelProposer(Proposer):
             stop_conf[st.decode_idx] = st.plan.stop_confidence
         if st.plan.stop_entropy is not None:
             stop_ent[st.decode_idx] = st.plan.stop_entropy
-        st.draft_inputs = (first, next_positions, st.table, gammas, stop_conf, stop_ent)
-        st.draft = self.runner.run_draft(*st.draft_inputs, st.sampling, st.gamma, self.model)
+        st.draft_inputs = DraftInputs(first, next_positions, st.table, gammas, stop_conf,
+                                      stop_ent)
+        st.draft = self.runner.run_draft(st.draft_inputs, st.sampling, st.gamma, self.model)
         st.num_drafted = st.draft.num_drafted
 
     def commit_row(self, st, row, seq, old_num_tokens, num_accepted, num_drafted) -> None:
@@ -66,8 +68,9 @@ class ChainProposer(DraftModelProposer):
         batch, slots = ib.intermediate_input(st.rows, st.num_rows, st.gamma, st.table,
                                              self.middle)
         st.first_drafted = st.draft.num_drafted
+        drafts = Drafts(st.draft.tokens, slots, st.draft.logits, st.draft.num_drafted)
         st.draft, st.intermediate = self.runner.run_intermediate(
-            batch, st.sampling, st.draft, slots, st.gamma, self.middle)
+            batch, st.sampling, drafts, st.gamma, self.middle)
         st.num_drafted = st.draft.num_drafted
         clock.lap("intermediate", st.num_drafted)
 
