@@ -25,7 +25,7 @@ from jspec.engine import LLMEngine
 from jspec.engine_info import EngineLimits, EngineStats
 from jspec.outputs import RequestOutput
 from jspec.sampling_params import SamplingParams
-from jspec.policies.base import StepOutcome
+from jspec.step_record import StepRecord
 
 logger = logging.getLogger("jspec.engine")
 
@@ -140,12 +140,12 @@ class AsyncLLMEngine:
         """Write the policy's learned state; call it once the engine is shut down (or idle)."""
         self.engine.save_policy_state(path)
 
-    def add_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
+    def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """Call ``fn(outcome)`` after every engine step, on the engine thread: it must be quick
         and thread-safe, and an exception from it fails the engine loop."""
         self.engine.add_step_listener(fn)
 
-    def remove_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
+    def remove_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         self.engine.remove_step_listener(fn)
 
     def add_failure_listener(self, fn: Callable[[BaseException], None]) -> None:

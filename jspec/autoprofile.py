@@ -76,7 +76,8 @@ def cache_key(engine) -> str:
         "kv_dtype": str(engine.runner.kv_dtype), "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": rc.max_num_batched_tokens,
         "block_size": engine.config.block_size, "gamma_buckets": list(engine.gamma_buckets),
-        "synthetic_acceptance": engine.config.synthetic_acceptance,
+        # a benchmark's synthetic acceptance (jspec/synthetic.py) changes what steps accept
+        "synthetic_acceptance": getattr(engine.runner, "synthetic_acceptance", None),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 

@@ -34,9 +34,6 @@ class EngineConfig:
     kernel_backend: str = "auto"
     min_token_bucket: int = 8
     warmup: bool = True  # compile every bucket at start-up
-    # benchmarking only: accepted-draft counts drawn from this acceptance model instead of the
-    # verification's (jspec/synthetic.py: "0.8", "0.9,0.8,...", a JSON file, "default-pair")
-    synthetic_acceptance: str | None = None
     # Nightjar §5 (jspec/elastic.py): offload the draft and hand its memory to the target's KV
     # pool while speculation is off and blocks run short; take it back when load falls
     elastic_memory: bool = False

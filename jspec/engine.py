@@ -17,6 +17,7 @@ import itertools
 import time
 from typing import Callable, Iterable
 
+import jax
 import numpy as np
 
 from jspec import commit, engine_setup, policy_state
@@ -34,12 +35,12 @@ from jspec.overlap import AsyncSteps, SyncSteps
 from jspec.planner import Planner, Speculation
 from jspec.proposers import make_proposers
 from jspec.request_checks import check_request
-from jspec.runner import CompileSpec, LoadedModel
+from jspec.runner import CompileSpec, LoadedModel, ModelRunner
 from jspec.sampling_params import SamplingParams
 from jspec.sequence import Sequence
-from jspec.step_record import build_outcome
+from jspec.step_record import StepRecord, build_record
 from jspec.step_state import Fetched, StageClock, StepState
-from jspec.policies import Policy, StepOutcome
+from jspec.policies import Policy
 
 
 class LLMEngine:
@@ -63,7 +64,7 @@ class LLMEngine:
             if pool and chains else (0,)
         self.block_manager, self.scheduler = engine_setup.make_scheduler(
             self.rc, [target, *pool], max(policy.possible_gammas()))
-        self.runner = engine_setup.make_runner(self.rc, target, pool, kv_dtype, CompileSpec(
+        self.runner = ModelRunner(target, pool, self.rc, kv_dtype, CompileSpec(
             self.gamma_buckets, signals=policy.signals if pool else (),
             draft_stats=policy.wants_draft_stats, chains=chains))
         self.elastic = None if memory is None else ElasticController(
@@ -80,15 +81,16 @@ class LLMEngine:
         self.reset_metrics()
         self._arrivals = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        self.last_outcome: StepOutcome | None = None
+        self.last_outcome: StepRecord | None = None
         self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
         self.overlap = AsyncSteps(self) if config.async_scheduling else SyncSteps(self)
-        self._step_listeners: list[Callable[[StepOutcome], None]] = []
+        self._step_listeners: list[Callable[[StepRecord], None]] = []
         # several hosts (jspec/distributed.py): the leader's requests, aborts and policy
         # decisions, shared so that every process runs the same steps
         self.sync: EngineEvents | None = None
-        # benchmarks: sync between device stages so StepOutcome.stage_times splits them exactly
+        # benchmarks: sync between device stages so StepRecord.stage_times splits them exactly
         self.time_stages = False
+        self.logprobs_refusal: str | None = None  # why logprobs are refused (refuse_logprobs)
         if config.warmup:
             self.warmup()
             self.ensure_profile()
@@ -198,11 +200,14 @@ class LLMEngine:
         """Tokenize and check a request; raise ValueError naming the problem before anything
         runs (the server's checks are these same ones: ``jspec.request_checks``,
         ``EngineLimits``)."""
-        refusal = None if self.config.synthetic_acceptance is None else (
-            "logprobs are not available with synthetic_acceptance: the emitted tokens are "
-            "drawn from an acceptance model, not sampled")
         return check_request(prompt, sampling_params, cache_salt, tokenizer=self.tokenizer,
-                             limits=self.limits, logprobs_refusal=refusal)
+                             limits=self.limits, logprobs_refusal=self.logprobs_refusal)
+
+    def refuse_logprobs(self, reason: str) -> None:
+        """From now on refuse requests for logprobs, saying ``reason`` (a benchmark's
+        transform that rewrites the sampled tokens: jspec/synthetic.py)."""
+        self.logprobs_refusal = reason
+        self.__dict__.pop("_limits", None)  # max_logprobs is 0 now
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None,
@@ -264,12 +269,12 @@ class LLMEngine:
         return self.scheduler.num_waiting + self.scheduler.num_running
 
     # ------------------------------------------------------------------ observers, hosts
-    def add_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
+    def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """Call ``fn(outcome)`` after every step that ran (on the engine's thread)."""
         # the list is replaced, never changed in place: a step iterating the old one is unharmed
         self._step_listeners = self._step_listeners + [fn]
 
-    def remove_step_listener(self, fn: Callable[[StepOutcome], None]) -> None:
+    def remove_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         listeners = list(self._step_listeners)
         listeners.remove(fn)
         self._step_listeners = listeners
@@ -361,10 +366,21 @@ class LLMEngine:
             self.elastic.tick()  # idle from now on: contract while nothing runs
         return outputs
 
+    def replays(self, st: StepState):
+        """The model work of a step that ran, as calls that run it again on the same inputs:
+        (the target's forward, the draft loop or None). ``jspec bench step`` times them beside
+        the step; the forward rewrites the same K/V, so the engine's state is kept."""
+        draft = st.proposer.replay(st) if st.gamma and st.proposer is not None else None
+        return self.executor.replay_forward(st), draft
+
+    def sync_device(self) -> None:
+        """Wait for the device work dispatched so far (a step left in flight included)."""
+        jax.block_until_ready(self.runner.target_kv)
+
     def _observe(self, st: StepState, fetched: Fetched, clock: StageClock) -> None:
         """The step's one record: to the metrics, elastic memory, the policy and the step
         listeners."""
-        outcome = build_outcome(st, fetched, clock, self.scheduler)
+        outcome = build_record(st, fetched, clock, self.scheduler)
         self.metrics.observe(outcome)
         if self.elastic is not None:
             self.elastic.observe(outcome.num_decode > 0, st.gamma, self.config.max_num_seqs)

@@ -39,6 +39,8 @@ class EngineLimits:
     num_kv_extension_blocks: int = 0
     # the most top log-probabilities a request may ask for (0: none, not even the token's own)
     max_logprobs: int = 0
+    kv_dtype: str = ""  # the KV cache's dtype (the models' unless EngineConfig.dtype forces one)
+    kernel_backend: str = ""  # each kernel's backend (jspec.kernels.backend)
 
     @classmethod
     def of(cls, engine) -> "EngineLimits":
@@ -57,7 +59,8 @@ class EngineLimits:
             gamma_buckets=tuple(engine.gamma_buckets),
             draft_pool=engine.pool_names if engine.runner.pool else (),
             max_logprobs=(engine.runner.logprobs_width
-                          if config.synthetic_acceptance is None else 0))
+                          if engine.logprobs_refusal is None else 0),
+            kv_dtype=str(engine.runner.kv_dtype), kernel_backend=engine.runner.kernel_backend)
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -12,7 +12,7 @@ from jspec.block_manager import BlockManager
 from jspec.config import EngineConfig, ResolvedConfig, resolve
 from jspec.elastic import ElasticMemory, extension_blocks, tree_bytes
 from jspec.platform import device_free_bytes
-from jspec.runner import CompileSpec, LoadedModel, ModelRunner
+from jspec.runner import LoadedModel
 from jspec.scheduler import Scheduler, SchedulerConfig
 from jspec.models.sharding import check_shardable
 from jspec.models.transformer import KVCache
@@ -63,9 +63,6 @@ def check_pool(config: EngineConfig, pool: list[LoadedModel]) -> None:
     if len(pool) > 1 and config.elastic_memory:
         raise ValueError("elastic_memory offloads one draft model; it does not support a "
                          f"pool of {len(pool)} drafts yet")
-    if len(pool) > 1 and config.synthetic_acceptance is not None:
-        raise ValueError("synthetic_acceptance models one draft's acceptance; it does not "
-                         f"support a pool of {len(pool)} drafts")
     if config.elastic_memory and not pool:
         raise ValueError("elastic_memory offloads the draft model to grow the KV cache; "
                          "it needs a draft")
@@ -141,14 +138,3 @@ def make_scheduler(rc: ResolvedConfig, models: list[LoadedModel], lookahead: int
     return block_manager, scheduler
 
 
-def make_runner(rc: ResolvedConfig, target: LoadedModel, pool: list[LoadedModel], kv_dtype,
-                spec: CompileSpec) -> ModelRunner:
-    """The model runner; in the synthetic benchmark mode, wrapped so that acceptance follows
-    the configured model (jspec/synthetic.py)."""
-    runner_cls = ModelRunner
-    if rc.engine.synthetic_acceptance is not None and pool:
-        from jspec.synthetic import parse_acceptance, synthetic_runner
-
-        runner_cls = synthetic_runner(ModelRunner, parse_acceptance(
-            rc.engine.synthetic_acceptance, seed=rc.engine.seed))
-    return runner_cls(target, pool, rc, kv_dtype, spec)

@@ -36,6 +36,22 @@ class Executor:
         st.result, st.logits = self.runner.run_verify_accept(st.batch, feed, st.sampling,
                                                              st.gamma)
 
+    def replay_forward(self, st: StepState):
+        """A call of the target forward alone over the batch ``st`` verified (its compiled
+        executable on the same inputs; it rewrites the same K/V, so the engine's state is
+        kept): what benchmarks time beside the step."""
+        runner = self.runner
+        exe = runner.verify_executable(st.batch.input_ids.shape[0], st.num_rows, st.gamma,
+                                       decode_only=not st.has_prefill)
+        args = (st.draft_tokens, st.draft_slots) if st.gamma else ()
+
+        def call():
+            logits, runner.target_kv = exe(runner.target.params, runner.target_kv, st.batch,
+                                           *args)
+            return logits
+
+        return call
+
     def accept(self, st: StepState, clock: StageClock) -> None:
         """Sampling of a step that carried prefill, the logprobs a request asked for, and the
         signals the policy reads (stages "accept" and "signals")."""

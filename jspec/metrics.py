@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jspec.block_manager import PrefixCacheStats
 from jspec.policies.base import StepOutcome, batch_bucket, chain_label
+
+if TYPE_CHECKING:  # the record's module imports JAX; this one need not
+    from jspec.step_record import StepRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +107,7 @@ class EngineMetrics:
     def chain_label(self, chain) -> str:
         return chain_label(self.pool_names, chain)
 
-    def observe(self, outcome: StepOutcome) -> None:
+    def observe(self, outcome: "StepRecord") -> None:
         """Fold in one step's record (every step that ran, prefill-only steps included)."""
         self.num_steps += 1
         self.num_prefill_tokens += outcome.num_prefill_tokens

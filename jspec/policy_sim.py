@@ -37,8 +37,9 @@ from typing import Callable
 import numpy as np
 
 from jspec.policies import make_policy
-from jspec.policies.base import BatchView, DraftPlan, DraftStats, Policy, StepOutcome
+from jspec.policies.base import BatchView, DraftPlan, DraftStats, Policy
 from jspec.policies.profile import StepProfile
+from jspec.step_record import StepRecord
 
 _ENTROPY_TAIL = 20  # tokens sharing a draft distribution's mass beside its top token
 _TOKEN_BUCKET = 64  # a step with prefill pads its verify width to a multiple of this
@@ -364,8 +365,8 @@ class _Simulation:
                 "phase": env.phases.index(phase)}
 
     def outcome(self, view: BatchView, gammas: np.ndarray, draft: _Draft, verified: np.ndarray,
-                step: tuple[float, float]) -> StepOutcome:
-        """The step's StepOutcome as the engine fills it; ``step``: the tokens x context its
+                step: tuple[float, float]) -> StepRecord:
+        """The step's StepRecord as the engine fills it; ``step``: the tokens x context its
         prefill chunks attend to, and its noise factor."""
         env, r = self.env, self.requests
         prefill_attended, noise = step
@@ -389,7 +390,7 @@ class _Simulation:
         draft_time = env.cost.draft(forwards, n) * noise
         catch_up = env.cost.catch_up(caught) * noise
         signals = _signals(self.policy, draft, verified)
-        return StepOutcome(
+        return StepRecord(
             request_ids=view.request_ids, gammas=gammas, num_drafted=draft.drafted,
             num_verified=verified, num_accepted=accepted, num_emitted=emitted,
             batch_size=view.batch_size, step_time=target + draft_time + catch_up,

@@ -1,12 +1,34 @@
-"""The record of one step (``StepOutcome``), built once from the step's state and its fetched
-results; the metrics, the policy and every step listener read this same record."""
+"""The record of one step (``StepRecord``), built once from the step's state and its fetched
+results; the metrics, elastic memory, the policy and every step listener read this same record.
+The policy reads its ``StepOutcome`` part."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from jspec.policies import StepOutcome
 from jspec.step_state import Fetched, StageClock, StepState
+
+
+@dataclasses.dataclass
+class StepRecord(StepOutcome):
+    """What happened in a step: what a policy learns from (``StepOutcome``) and the engine's own
+    telemetry, for the metrics, the Prometheus exporter and the benchmarks. The engine makes
+    one for every step that ran (prefill-only steps too: their per-sequence arrays are empty).
+
+    ``stage_times``: seconds per stage of the step (``step_state.STAGES``). Device stages are
+    timed at dispatch unless the engine syncs between them (``LLMEngine.time_stages``): then
+    verify/accept/signals split the device time exactly; otherwise device time lands in the
+    stage that first waits for it (the commit, which starts with the step's one result
+    transfer). A decode-only step samples inside its verify executable, so its "accept" is
+    empty."""
+
+    stage_times: dict[str, float] = dataclasses.field(default_factory=dict)
+    gamma_bucket: int = 0  # the compiled γ bucket the step ran in (0: no draft work)
+    num_running: int = 0  # sequences running after the step
+    num_waiting: int = 0  # queue depth after the step
 
 
 def _signal_reader(st: StepState, fetched: Fetched, verified: np.ndarray, max_gamma: int):
@@ -30,7 +52,7 @@ def _signal_reader(st: StepState, fetched: Fetched, verified: np.ndarray, max_ga
     return signal
 
 
-def build_outcome(st: StepState, fetched: Fetched, clock: StageClock, scheduler) -> StepOutcome:
+def build_record(st: StepState, fetched: Fetched, clock: StageClock, scheduler) -> StepRecord:
     idx = st.decode_idx
     decode_rows = st.decode_rows
     n = len(decode_rows)
@@ -45,7 +67,7 @@ def build_outcome(st: StepState, fetched: Fetched, clock: StageClock, scheduler)
     emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
     signal = _signal_reader(st, fetched, verified, max_gamma)
     t = clock.times
-    return StepOutcome(
+    return StepRecord(
         request_ids=st.view.request_ids, gammas=planned,
         num_drafted=extra.pop("num_drafted", num_drafted),
         num_verified=verified, num_accepted=accepted, num_emitted=emitted,

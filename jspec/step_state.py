@@ -16,7 +16,11 @@ import jax
 import numpy as np
 
 from jspec.input_batch import RowWork
-from jspec.policies.base import STAGES, BatchView, DraftPlan
+from jspec.policies.base import BatchView, DraftPlan
+
+# The stages of a step, in order, as StageClock times them
+STAGES = ("schedule", "plan", "catch_up", "draft", "intermediate", "verify", "accept", "signals",
+          "commit")
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,7 +108,7 @@ class Fetched:
 
 
 class StageClock:
-    """Wall time per stage of a step (``jspec.policies.base.STAGES``). With ``sync`` each device
+    """Wall time per stage of a step (``STAGES``). With ``sync`` each device
     stage waits for its outputs before the lap closes, so the split between device stages is
     exact (benchmarks); without it a lap closes at dispatch and device time lands in whichever
     later stage first waits for it (the step's total is right either way)."""

@@ -249,22 +249,32 @@ def synthetic_models(shape: str, dtype: str = "bfloat16"):
     return models[0], models[1]
 
 
-def synthetic_runner(runner_cls, acceptance: SyntheticAcceptance):
-    """``runner_cls`` subclass whose ``fetch`` rewrites acceptance with ``acceptance``
-    (benchmarking only; keeps the acceptance model out of the engine's step)."""
+def install(engine, spec: str, seed: int = 0) -> SyntheticAcceptance:
+    """Benchmarking only: from now on, each drafting row's accepted count in ``engine`` is a
+    draw from the acceptance model ``spec`` (``parse_acceptance``) instead of the
+    verification's, rewritten in the step's results as they reach the host (the runner's
+    ``fetch``), so the engine's step is untouched. The engine then refuses logprobs: the tokens
+    rewritten here are not the ones the log-probabilities were computed for. Install before the
+    engine's first step (its step-time profile is cached per acceptance model)."""
+    import jax
 
-    class SyntheticAcceptanceRunner(runner_cls):
-        def fetch(self, result, signals, num_drafted, draft_tokens, gammas, logprobs=None):
-            # the engine refuses logprobs with synthetic acceptance: the tokens rewritten here
-            # are not the ones the log-probabilities were computed for
-            result, signals, drafted, logprobs = super().fetch(
-                result, signals, num_drafted, draft_tokens, gammas, logprobs)
-            if draft_tokens is not None:
-                import jax
+    acceptance = parse_acceptance(spec, seed=seed)
+    runner = engine.runner
+    if len(runner.pool) > 1:
+        raise ValueError("synthetic acceptance models one draft's acceptance; it does not "
+                         f"support a pool of {len(runner.pool)} drafts")
+    fetch = runner.fetch
 
-                result = self.acceptance.apply(result, jax.device_get(draft_tokens), drafted,
-                                               gammas)
-            return result, signals, drafted, logprobs
+    def synthetic_fetch(result, signals, num_drafted, draft_tokens, gammas, logprobs=None):
+        result, signals, drafted, logprobs = fetch(result, signals, num_drafted, draft_tokens,
+                                                   gammas, logprobs)
+        if draft_tokens is not None:
+            result = acceptance.apply(result, jax.device_get(draft_tokens), drafted, gammas)
+        return result, signals, drafted, logprobs
 
-    SyntheticAcceptanceRunner.acceptance = acceptance  # the class is made per engine
-    return SyntheticAcceptanceRunner
+    if runner.pool:
+        runner.fetch = synthetic_fetch
+        runner.synthetic_acceptance = spec
+    engine.refuse_logprobs("logprobs are not available with synthetic acceptance: the emitted "
+                           "tokens are drawn from an acceptance model, not sampled")
+    return acceptance

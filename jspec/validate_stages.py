@@ -299,7 +299,7 @@ def _greedy_run(dtype: str, kernel_backend: str, policy: str, prompts: list[str]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=2)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    run = {"kernel_backend": llm.engine.runner.kernel_backend, "policy": policy,
+    run = {"kernel_backend": llm.engine.limits.kernel_backend, "policy": policy,
            "tokens": [list(o.token_ids) for o in outs],
            "top2_logprobs": [[sorted((p.logprob for p in step.values()), reverse=True)[:2]
                               for step in o.logprobs] for o in outs],

@@ -86,18 +86,13 @@ class DraftStats:
     draft_entropy: np.ndarray  # [n, G]
 
 
-STAGES = ("schedule", "plan", "catch_up", "draft", "intermediate", "verify", "accept", "signals",
-          "commit")
-
-
 @dataclasses.dataclass
 class StepOutcome:
     """What happened in a step, per decoding sequence of the view, plus timings in seconds.
 
-    The engine makes one for every step that ran (prefill-only steps too: their per-sequence
-    arrays are empty) and hands it to the policy (steps with decoding sequences), to
-    ``EngineMetrics.observe`` and to every ``LLMEngine.add_step_listener`` callback (the
-    serving benchmark's recorder, the Prometheus exporter).
+    What a policy learns from. The engine's record of a step (``jspec.step_record.StepRecord``)
+    extends it with the engine's own telemetry (time per stage, the γ bucket, the queue); the
+    policy is handed that record (steps with decoding sequences) and reads this part of it.
     """
 
     request_ids: list[str]
@@ -118,17 +113,8 @@ class StepOutcome:
     kl: np.ndarray
     draft_entropy: np.ndarray
     confidence: np.ndarray
-    # per stage of the step (STAGES), seconds. Device stages are timed at dispatch unless the
-    # engine syncs between them (LLMEngine.time_stages): then verify/accept/signals split the
-    # device time exactly; otherwise device time lands in the stage that first waits for it
-    # (the commit, which starts with the step's one result transfer). A decode-only step
-    # samples inside its verify executable, so its "accept" is empty.
-    stage_times: dict[str, float] = dataclasses.field(default_factory=dict)
-    gamma_bucket: int = 0  # the compiled γ bucket the step ran in (0: no draft work)
     num_tokens: int = 0  # target tokens in the step's batch (decode + drafts + prefill)
     num_padded_tokens: int = 0  # the verify forward's width, padding included (0: not given)
-    num_running: int = 0  # sequences running after the step
-    num_waiting: int = 0  # queue depth after the step
     # Multi-level chains (SpecRouter): the pool models that drafted this step (DraftPlan.chain;
     # () when nothing drafted). With an intermediate level (a chain (i, j)), ``num_drafted`` is
     # what model i drafted, ``intermediate_accepted`` [n] how many of those j accepted,

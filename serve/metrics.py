@@ -5,7 +5,7 @@ Three kinds of series:
 * what the server observes per request (request counts by endpoint and status, finish reasons,
   TTFT / TPOT / end-to-end latency histograms, prompt and generated tokens): counters and
   histograms updated on the event loop;
-* what the engine's per-step record (``jspec.policies.base.StepOutcome``) says: steps, step time,
+* what the engine's per-step record (``jspec.policies.base.StepRecord``) says: steps, step time,
   batch size and target tokens per step, the γ bucket each step ran in, time per step stage,
   prefill tokens, the vLLM-style ``spec_decode_*`` counters, accepted tokens per draft position,
   the γ chosen per sequence-step overall and per batch-size bucket, the mean γ of the latest
@@ -38,7 +38,9 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jspec.metrics import SpecCounts
-from jspec.policies.base import STAGES, StepOutcome, batch_bucket, chain_label
+from jspec.policies.base import batch_bucket, chain_label
+from jspec.step_record import StepRecord
+from jspec.step_state import STAGES
 
 logger = logging.getLogger("jspec.serve")
 
@@ -249,7 +251,7 @@ class ServerMetrics:
         if engine is not None:
             engine.remove_step_listener(self._on_step)
 
-    def _on_step(self, outcome: StepOutcome) -> None:
+    def _on_step(self, outcome: StepRecord) -> None:
         # runs on the engine thread: a failure here must not fail the engine loop
         try:
             self._observe_step(outcome)
@@ -259,7 +261,7 @@ class ServerMetrics:
                 logger.exception("recording an engine step in the Prometheus metrics failed "
                                  "(logged once)")
 
-    def _observe_step(self, o: StepOutcome) -> None:
+    def _observe_step(self, o: StepRecord) -> None:
         self.steps.inc()
         self.step_time.observe(o.step_time)
         self.step_batch_size.observe(o.batch_size)

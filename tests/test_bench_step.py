@@ -10,7 +10,7 @@ from conftest import make_engine, run_to_completion
 from jspec.bench.step import measure_decode, measure_prefill
 from jspec.sampling_params import SamplingParams
 from jspec.policies import make_policy
-from jspec.policies.base import STAGES
+from jspec.step_state import STAGES
 
 
 @pytest.fixture(scope="module")

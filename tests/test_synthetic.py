@@ -11,6 +11,7 @@ from conftest import (llm_cli_args, make_engine, parse_serving_args, run_to_comp
                       tiny_serving_args)
 
 from jspec.sampler import VerifyResult
+from jspec import synthetic
 from jspec.synthetic import (SHAPES, SyntheticAcceptance, conditional_from_unconditional,
                              parse_acceptance)
 
@@ -95,8 +96,8 @@ def test_engine_under_synthetic_acceptance(engine_models, mixed_prompts, spec):
     from jspec.sampling_params import SamplingParams
 
     target, _, small = engine_models
-    engine = make_engine(target, small, synthetic_acceptance=spec, num_speculative_tokens=4,
-                         policy_options=(("gamma", 4),))
+    engine = make_engine(target, small, num_speculative_tokens=4, policy_options=(("gamma", 4),))
+    synthetic.install(engine, spec)
     done = run_to_completion(engine, mixed_prompts[:8], SamplingParams(max_tokens=24,
                                                                        ignore_eos=True))
     assert all(len(o.token_ids) == 24 for o in done.values())

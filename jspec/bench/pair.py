@@ -61,9 +61,12 @@ def measure_cost(llm, repeats: int = 5) -> list[dict]:
     """Forward step time of target and draft on identical shapes (fastest of ``repeats``)."""
     from jspec.bench.model_step import ForwardTimer
 
-    runner = llm.engine.runner
-    timers = {name: ForwardTimer(m.cfg, m.params, runner.kv_dtype, 16, repeats)
-              for name, m in (("target", runner.target), ("draft", runner.draft))}
+    import jax.numpy as jnp
+
+    engine = llm.engine
+    kv_dtype = jnp.dtype(engine.limits.kv_dtype)
+    timers = {name: ForwardTimer(m.cfg, m.params, kv_dtype, 16, repeats)
+              for name, m in (("target", engine.target), ("draft", engine.draft))}
     rows = []
     for label, batch_size, query_len, context in (("decode B=1", 1, 1, 256),
                                                   ("decode B=8", 8, 1, 256),
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
               num_speculative_tokens=args.gamma, max_num_seqs=args.max_num_seqs,
               use_tqdm=sys.stderr.isatty())
     engine = llm.engine
-    t_cfg, d_cfg = engine.runner.target.cfg, engine.runner.draft.cfg
+    t_cfg, d_cfg = engine.target.cfg, engine.draft.cfg
     print(f"target {t_cfg.num_params() / 1e6:.2f}M params, draft {d_cfg.num_params() / 1e6:.2f}M; "
           f"forward FLOPs/token draft/target = "
           f"{forward_flops_per_token(d_cfg) / forward_flops_per_token(t_cfg):.3f} "

@@ -12,7 +12,7 @@ The driver is open-loop (single-request workloads): every request is sent at its
 time (an asyncio task sleeping until then) whatever the engine's state, and its stream is consumed
 as it comes; the time each chunk reaches the client is recorded (``serving_metrics`` has every
 definition). The engine's own steps are recorded by a step listener (``StepRecorder``), which gets
-each step's ``StepOutcome`` on the engine thread: per step, its time, the draft loop's and the
+each step's ``StepRecord`` on the engine thread: per step, its time, the draft loop's and the
 catch-up's share of it, its batch size and decoding sequences, the γ the policy chose for them
 (summed, with the max), verified / accepted / emitted tokens, prefill, total and padded tokens,
 and the running and waiting queues' lengths.
@@ -400,7 +400,7 @@ def nice_bin(span: float) -> float:
 
 # ----------------------------------------------------------------------------- the driver
 class StepRecorder:
-    """Records every engine step from the engine's per-step record (``StepOutcome``, delivered
+    """Records every engine step from the engine's per-step record (``StepRecord``, delivered
     on the engine thread to a step listener); ``with`` subscribes and unsubscribes."""
 
     def __init__(self, engine):
@@ -603,7 +603,8 @@ async def drive_conversations(aengine, conversations: list[wl.BenchConversation]
 def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
     """A fresh engine (not warmed up) for ``policy``: over the given (or built-in) checkpoints,
     or, with ``--synthetic``, over random-weight models of that shape with the built-in pair's
-    tokenizer (any tokenizer does: the text is meaningless)."""
+    tokenizer (any tokenizer does: the text is meaningless); with ``--synthetic-acceptance``,
+    its acceptance drawn from that model (``jspec.synthetic.install``)."""
     from jspec.llm import build_engine
 
     target, draft, tokenizer = args.target, args.draft, None
@@ -614,9 +615,15 @@ def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
 
         target, draft = synthetic_models(args.synthetic, resolve_dtype(engine_kwargs["dtype"]))
         tokenizer = default_pair()[0]
-    return build_engine(target, draft, tokenizer=tokenizer, policy=policy["name"],
-                        policy_options=policy["options"], warmup=False,
-                        **{**engine_kwargs, **policy.get("engine", {})})
+    engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy["name"],
+                          policy_options=policy["options"], warmup=False,
+                          **{**engine_kwargs, **policy.get("engine", {})})
+    acceptance = getattr(args, "synthetic_acceptance", None)
+    if acceptance is not None:
+        from jspec.synthetic import install
+
+        install(engine, acceptance, seed=engine.config.seed)
+    return engine
 
 
 PREFIX_CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
@@ -981,8 +988,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine options every policy's engine shares, from the command line."""
     # no benchmark request asks for logprobs: none compiled (max_logprobs=0)
     engine_kwargs = {"num_speculative_tokens": args.num_speculative_tokens, "dtype": args.dtype,
-                     "max_num_seqs": args.max_num_seqs,
-                     "synthetic_acceptance": args.synthetic_acceptance, "max_logprobs": 0}
+                     "max_num_seqs": args.max_num_seqs, "max_logprobs": 0}
     for name in ("max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                  "min_token_bucket", "kv_cache_memory_bytes", "tensor_parallel_size"):
         if getattr(args, name) is not None:
@@ -1138,7 +1144,7 @@ def build_bench_requests(args: argparse.Namespace, plan: BenchPlan, first) -> Be
     context_limit = args.context_limit_resolved = first.limits.context_limit
     model_info = {"target_model": model_signature(first.target.cfg),
                   "draft_model": model_signature(first.draft.cfg) if first.draft else None,
-                  "kv_dtype": str(first.runner.kv_dtype)}
+                  "kv_dtype": first.limits.kv_dtype}
     labels = ", ".join(p["label"] for p in plan.policies)
     fit = wl.FitOptions(context_limit, args.max_tokens, args.max_prompt_tokens, args.seed)
     if plan.multiturn:

@@ -112,7 +112,7 @@ def run(sweep: Sweep, deadline: float | None = None,
             if "target_model" not in numbers:
                 numbers["target_model"] = model_signature(engine.target.cfg)
                 numbers["draft_model"] = model_signature(engine.draft.cfg)
-                numbers["kernel_backend"] = engine.runner.kernel_backend
+                numbers["kernel_backend"] = engine.limits.kernel_backend
             args.context_limit_resolved = engine.limits.context_limit
             requests = level_requests(args, prompts, engine.tokenizer,
                                       args.context_limit_resolved, level)

@@ -63,32 +63,9 @@ def _median(fn, repeats: int = 9) -> float:
     return statistics.median(times)
 
 
-def _forward_call(engine, st):
-    """A call of the target forward alone over the batch ``st`` verified (its compiled
-    executable on the same inputs; it rewrites the same K/V, so the engine's state is kept)."""
-    runner = engine.runner
-    exe = runner.verify_executable(st.batch.input_ids.shape[0], st.num_rows, st.gamma,
-                                   decode_only=not st.has_prefill)
-    args = (st.draft_tokens, st.draft_slots) if st.gamma else ()
-
-    def call():
-        logits, runner.target_kv = exe(runner.target.params, runner.target_kv, st.batch, *args)
-        return logits
-
-    return call
-
-
-def _draft_call(engine, st):
-    """A call of the draft loop alone on the inputs ``st`` drafted from (None without one)."""
-    if not st.gamma or st.draft_inputs is None:
-        return None
-    runner = engine.runner
-    return lambda: runner.run_draft(st.draft_inputs, st.sampling, st.gamma).tokens
-
-
 def bare_forward(engine, st) -> float:
     """Seconds of the target forward alone over the batch a step verified."""
-    return _median(_forward_call(engine, st))
+    return _median(engine.replays(st)[0])
 
 
 def _timed(fn) -> float:
@@ -101,8 +78,8 @@ def _timed(fn) -> float:
 
 def _replay(engine, st) -> tuple[float, float]:
     """Seconds of one bare target forward and one bare draft loop (0 without one) on ``st``."""
-    draft = _draft_call(engine, st)
-    return _timed(_forward_call(engine, st)), _timed(draft) if draft else 0.0
+    forward, draft = engine.replays(st)
+    return _timed(forward), _timed(draft) if draft else 0.0
 
 
 def _engine(args, gamma: int, max_num_seqs: int, max_model_len: int | None):
@@ -124,7 +101,7 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
 
     rng = np.random.default_rng(batch)
     vocab = engine.target.cfg.vocab_size
-    room = engine.rc.max_model_len - context - 1
+    room = engine.limits.max_model_len - context - 1
     sp = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in ids:
@@ -150,7 +127,7 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
         engine.step()
         times.append(time.perf_counter() - t)
         if not trace:
-            jax.block_until_ready(engine.runner.target_kv)  # the step left in flight
+            engine.sync_device()  # the step left in flight
             replays.append(_replay(engine, engine.last_step))
     if trace:
         jax.profiler.stop_trace()
@@ -232,9 +209,9 @@ def run(args: argparse.Namespace) -> int:
     print(header)
     for gamma in args.gammas:
         engine = _engine(args, gamma, max_seqs, None)
-        if need > engine.rc.max_model_len:
+        if need > engine.limits.max_model_len:
             raise ValueError(f"--context {args.context} with {args.steps} steps needs "
-                             f"{need} tokens, the model allows {engine.rc.max_model_len}")
+                             f"{need} tokens, the model allows {engine.limits.max_model_len}")
         engines[gamma] = engine
         for batch in args.batch_sizes:
             trace = (f"{args.trace}/B{batch}-g{gamma}" if args.trace else None)
@@ -249,12 +226,12 @@ def run(args: argparse.Namespace) -> int:
     prefill = []
     if args.prefill_lens:
         engine = engines[args.gammas[0]]
-        print(f"\nprefill (one request, chunks of at most {engine.rc.max_num_batched_tokens} "
+        print(f"\nprefill (one request, chunks of at most {engine.limits.max_num_batched_tokens} "
               f"tokens)")
         print(f"{'prompt':>6} {'chunks':>6} {'engine ms':>9} {'fwd ms':>8} {'engine tok/s':>12} "
               f"{'fwd tok/s':>10} {'engine/fwd':>10}")
         for length in args.prefill_lens:
-            length = min(length, engine.rc.max_model_len - 2)
+            length = min(length, engine.limits.max_model_len - 2)
             r = measure_prefill(engine, length)
             prefill.append(r)
             print(f"{length:>6} {r['chunks']:>6} {r['engine_ms']:>9.1f} "

@@ -58,7 +58,12 @@ class Proposer(abc.ABC):
         draft tokens verified and the target kept ``num_accepted``: keep the drafter's state in
         step (what its KV pool still holds validly)."""
 
+    def replay(self, st: "StepState"):
+        """A call that drafts again on ``st``'s inputs (benchmarks time it beside the step), or
+        None where that cannot be repeated alone."""
+        return None
+
     def record(self, st: "StepState", idx: np.ndarray) -> dict:
-        """Fields of the step's ``StepOutcome`` only this proposer knows, for the decoding rows
+        """Fields of the step's record (``StepRecord``) only this proposer knows, for the decoding rows
         ``idx``; none by default."""
         return {}

@@ -46,6 +46,12 @@ class DraftModelProposer(Proposer):
         st.draft = self.runner.run_draft(st.draft_inputs, st.sampling, st.gamma, self.model)
         st.num_drafted = st.draft.num_drafted
 
+    def replay(self, st):
+        if st.draft_inputs is None:
+            return None
+        return lambda: self.runner.run_draft(st.draft_inputs, st.sampling, st.gamma,
+                                             self.model).tokens
+
     def commit_row(self, st, row, seq, old_num_tokens, num_accepted, num_drafted) -> None:
         # the draft fed its first d - 1 tokens; those the target kept stay valid
         seq.draft_computed[self.model] = min(old_num_tokens + max(num_drafted - 1, 0),
