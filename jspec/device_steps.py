@@ -1,9 +1,11 @@
-"""The jitted device work of one speculative step: the draft loop and verify-and-sample.
+"""The jitted device work of one speculative step: a draft model's catch-up, the draft loop, a
+chain's middle-level verification, the target's verification with its sampling.
 
-Both are pure functions of (params, KV pool, batch arrays); the runner compiles them once per
-shape bucket with the KV pool donated. The draft loop runs up to G draft forwards in one
-``lax.while_loop`` with per-sequence active masks, so a step costs two dispatches however long
-the draft is, and no host round trip per drafted token.
+Each is a pure function of (params, KV pool, pytree inputs) with what it is compiled for bound
+as one static ``StepOptions``; the runner compiles each once per shape bucket with the KV pool
+donated. The draft loop runs up to G draft forwards in one ``lax.while_loop`` with per-sequence
+active masks, so drafting is one dispatch however long the draft is, with no host round trip
+per drafted token.
 """
 
 from __future__ import annotations

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import time
 from typing import Callable, Iterable
 
 import jax
-import numpy as np
 
 from jspec import commit, engine_setup, policy_state
 from jspec.block_manager import PrefixCacheStats
@@ -28,16 +26,15 @@ from jspec.distributed import EngineEvents, StepSync
 from jspec.elastic import ElasticController
 from jspec.engine_info import EngineLimits, EngineStats
 from jspec.executor import Executor
+from jspec.input_processor import InputProcessor
 from jspec.metrics import EngineMetrics
 from jspec.output_processor import OutputProcessor
 from jspec.outputs import RequestOutput
 from jspec.overlap import AsyncSteps, SyncSteps
 from jspec.planner import Planner, Speculation
 from jspec.proposers import make_proposers
-from jspec.request_checks import check_request
 from jspec.runner import CompileSpec, LoadedModel, ModelRunner
 from jspec.sampling_params import SamplingParams
-from jspec.sequence import Sequence
 from jspec.step_record import StepRecord, build_record
 from jspec.step_state import Fetched, StageClock, StepState
 from jspec.policies import Policy
@@ -78,9 +75,8 @@ class LLMEngine:
         self.executor = Executor(self.runner, self.rc)
         self.outputs = OutputProcessor(tokenizer, target.cfg.eos_token_ids)
         self.committer = Committer(self.scheduler, self.block_manager, self.outputs)
+        self.inputs = InputProcessor(tokenizer, len(pool), config.seed)
         self.reset_metrics()
-        self._arrivals = itertools.count()
-        self._seed_rng = np.random.default_rng(config.seed)
         self.last_outcome: StepRecord | None = None
         self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
         self.overlap = AsyncSteps(self) if config.async_scheduling else SyncSteps(self)
@@ -90,7 +86,6 @@ class LLMEngine:
         self.sync: EngineEvents | None = None
         # benchmarks: sync between device stages so StepRecord.stage_times splits them exactly
         self.time_stages = False
-        self.logprobs_refusal: str | None = None  # why logprobs are refused (refuse_logprobs)
         if config.warmup:
             self.warmup()
             self.ensure_profile()
@@ -200,13 +195,12 @@ class LLMEngine:
         """Tokenize and check a request; raise ValueError naming the problem before anything
         runs (the server's checks are these same ones: ``jspec.request_checks``,
         ``EngineLimits``)."""
-        return check_request(prompt, sampling_params, cache_salt, tokenizer=self.tokenizer,
-                             limits=self.limits, logprobs_refusal=self.logprobs_refusal)
+        return self.inputs.validate(prompt, sampling_params, cache_salt, self.limits)
 
     def refuse_logprobs(self, reason: str) -> None:
         """From now on refuse requests for logprobs, saying ``reason`` (a benchmark's
         transform that rewrites the sampled tokens: jspec/synthetic.py)."""
-        self.logprobs_refusal = reason
+        self.inputs.logprobs_refusal = reason
         self.__dict__.pop("_limits", None)  # max_logprobs is 0 now
 
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -222,15 +216,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.validate_request(prompt, sampling_params, cache_salt)
         self.ensure_profile()
-        seed = sampling_params.seed
-        if seed is None:
-            seed = int(self._seed_rng.integers(0, 2**32))
-        now = time.perf_counter() if arrival_time is None else arrival_time
-        seq = Sequence(request_id=request_id, prompt_token_ids=token_ids,
-                       sampling_params=sampling_params, arrival_index=next(self._arrivals),
-                       arrival_time=now, seed=seed, cache_salt=cache_salt,
-                       draft_computed=[0] * max(1, len(self.runner.pool)))
-        self.outputs.add(seq, prompt if isinstance(prompt, str) else None, now)
+        seq = self.inputs.sequence(request_id, token_ids, sampling_params, arrival_time,
+                                   cache_salt)
+        self.outputs.add(seq, prompt if isinstance(prompt, str) else None, seq.arrival_time)
         self.scheduler.add(seq)
         if self.sync is not None:
             self.sync.record("add", request_id, token_ids, sampling_params, cache_salt)

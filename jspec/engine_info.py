@@ -59,7 +59,7 @@ class EngineLimits:
             gamma_buckets=tuple(engine.gamma_buckets),
             draft_pool=engine.pool_names if engine.runner.pool else (),
             max_logprobs=(engine.runner.logprobs_width
-                          if engine.logprobs_refusal is None else 0),
+                          if engine.inputs.logprobs_refusal is None else 0),
             kv_dtype=str(engine.runner.kv_dtype), kernel_backend=engine.runner.kernel_backend)
 
     @property

@@ -27,7 +27,7 @@ from jspec.sampler import (SamplingTensors, TokenLogprobs, VerifyResult, rejecti
                            sample_tokens, token_logprobs, verify_signals)
 from jspec.models import sharding
 from jspec.models.config import ModelConfig
-from jspec.models.transformer import KVCache, ModelInput, forward
+from jspec.models.transformer import KVCache, ModelInput
 from jspec.kernels import backend as kernel_backend
 from jspec.kernels.gpu_lowering import KernelShape
 from jspec.kernels import batch_invariance

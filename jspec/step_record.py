@@ -5,11 +5,14 @@ The policy reads its ``StepOutcome`` part."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jspec.policies import StepOutcome
-from jspec.step_state import Fetched, StageClock, StepState
+
+if TYPE_CHECKING:  # the step's state imports JAX; the record (read by the simulator) does not
+    from jspec.step_state import Fetched, StageClock, StepState
 
 
 @dataclasses.dataclass
@@ -31,7 +34,7 @@ class StepRecord(StepOutcome):
     num_waiting: int = 0  # queue depth after the step
 
 
-def _signal_reader(st: StepState, fetched: Fetched, verified: np.ndarray, max_gamma: int):
+def _signal_reader(st: "StepState", fetched: "Fetched", verified: np.ndarray, max_gamma: int):
     """Per-position signal ``name`` for the decoding rows, NaN past what was verified (one
     shared read-only all-NaN array for every signal not computed)."""
     idx, gamma = st.decode_idx, st.gamma
@@ -52,7 +55,8 @@ def _signal_reader(st: StepState, fetched: Fetched, verified: np.ndarray, max_ga
     return signal
 
 
-def build_record(st: StepState, fetched: Fetched, clock: StageClock, scheduler) -> StepRecord:
+def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", scheduler
+                 ) -> StepRecord:
     idx = st.decode_idx
     decode_rows = st.decode_rows
     n = len(decode_rows)

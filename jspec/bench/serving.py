@@ -544,10 +544,20 @@ def conversation_summary(runs: list[ConversationRun]) -> dict:
             "turns_sent_per_conversation": summarize(r.turns_sent for r in runs)}
 
 
+@dataclasses.dataclass(frozen=True)
+class ClosedLoop:
+    """How conversations are driven: the longest a conversation may grow (``context_limit``),
+    the pause between a turn's answer and the next turn (``think_time``, seconds), and the
+    progress bar (``progress``, ``desc``)."""
+
+    context_limit: int
+    think_time: float = 0.0
+    progress: bool = True
+    desc: str = "serving"
+
+
 async def drive_conversations(aengine, conversations: list[wl.BenchConversation], sampling,
-                              recorder: StepRecorder, *, context_limit: int,
-                              think_time: float = 0.0, progress: bool = True,
-                              desc: str = "serving"
+                              recorder: StepRecorder, loop: ClosedLoop
                               ) -> tuple[list[RequestRecord], list[ConversationRun]]:
     """Closed loop per conversation: its first turn is sent at its arrival time, and each next
     turn ``think_time`` seconds after the previous turn's last chunk arrived (its arrival, on
@@ -558,7 +568,7 @@ async def drive_conversations(aengine, conversations: list[wl.BenchConversation]
     conversation then turn, and each conversation's ``ConversationRun``."""
     t0 = time.perf_counter()
     recorder.t0 = t0
-    bar = _Progress(sum(len(c.turns) for c in conversations), desc, progress, t0)
+    bar = _Progress(sum(len(c.turns) for c in conversations), loop.desc, loop.progress, t0)
     runs = [ConversationRun(c.conversation_id, len(c.turns)) for c in conversations]
     records: list[list[RequestRecord]] = [[] for _ in conversations]
 
@@ -567,7 +577,7 @@ async def drive_conversations(aengine, conversations: list[wl.BenchConversation]
         due, context = conv.arrival, []
         for turn, added in enumerate(conv.turns, 1):
             ids = context + added
-            if len(ids) + conv.max_tokens > context_limit:
+            if len(ids) + conv.max_tokens > loop.context_limit:
                 run.truncated = True
                 bar.drop(len(conv.turns) - turn + 1)
                 return
@@ -590,7 +600,7 @@ async def drive_conversations(aengine, conversations: list[wl.BenchConversation]
                 bar.drop(len(conv.turns) - turn)
                 return
             context = ids + output
-            due = rec.finish + think_time
+            due = rec.finish + loop.think_time
 
     try:
         await asyncio.gather(*(one(c, run, recs)
@@ -728,8 +738,8 @@ class _Driver:
             return asyncio.run(drive(self.aengine, reqs, self.sampling, recorder,
                                      progress=progress, desc=desc)), None
         return asyncio.run(drive_conversations(
-            self.aengine, reqs, self.sampling, recorder, context_limit=self.context_limit,
-            think_time=self.args.think_time or 0.0, progress=progress, desc=desc))
+            self.aengine, reqs, self.sampling, recorder,
+            ClosedLoop(self.context_limit, self.args.think_time or 0.0, progress, desc)))
 
 
 @dataclasses.dataclass
