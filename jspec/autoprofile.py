@@ -132,7 +132,7 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
     # its dispatch; otherwise the draft's cost lands in target_time's γ > 0 entries and a
     # verifier (AdaSpec's select) would think that dropping a drafted token saves the draft
     # forward that produced it. The profiling steps are not served (fresh metrics).
-    with engine.measuring(forced):
+    with engine.probe.measuring(forced):
         try:
             for bi, batch in enumerate(grid.batch_sizes):
                 seqs.fresh(batch)

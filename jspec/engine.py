@@ -11,12 +11,10 @@ few compiled calls and one host<-device transfer of the step's results.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Callable, Iterable
 
-import jax
 
 from jspec import commit, engine_setup, policy_state
 from jspec.block_manager import PrefixCacheStats
@@ -25,6 +23,7 @@ from jspec.config import EngineConfig, gamma_buckets
 from jspec.distributed import EngineEvents, StepSync
 from jspec.elastic import ElasticController
 from jspec.engine_info import EngineLimits, EngineStats
+from jspec.engine_probe import EngineProbe
 from jspec.executor import Executor
 from jspec.input_processor import InputProcessor
 from jspec.metrics import EngineMetrics
@@ -80,6 +79,7 @@ class LLMEngine:
         self.last_outcome: StepRecord | None = None
         self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
         self.overlap = AsyncSteps(self) if config.async_scheduling else SyncSteps(self)
+        self.probe = EngineProbe(self)  # benchmarks' and the step-time profile's hooks
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         # several hosts (jspec/distributed.py): the leader's requests, aborts and policy
         # decisions, shared so that every process runs the same steps
@@ -144,25 +144,6 @@ class LLMEngine:
         do not serve the measured ones; running requests keep their blocks. Returns how many
         blocks were cached."""
         return self.block_manager.reset_prefix_cache()
-
-    @contextlib.contextmanager
-    def measuring(self, policy: Policy):
-        """Run steps under ``policy`` with every stage timed apart (``time_stages``), elastic
-        memory paused, no streamed outputs and fresh metrics; everything is restored after,
-        and what the measured requests left behind is dropped (the step-time profile)."""
-        saved = (self.policy, self.metrics, self.last_outcome, self.last_step,
-                 self.stream_outputs, self.time_stages, self.elastic)
-        # elastic memory off while measuring: γ = 0 steps on a full pool must not offload the
-        # draft whose cost is being measured
-        self.elastic = None
-        self.policy, self.stream_outputs, self.time_stages = policy, False, True
-        self.reset_metrics()
-        try:
-            yield self
-        finally:
-            (self.policy, self.metrics, self.last_outcome, self.last_step,
-             self.stream_outputs, self.time_stages, self.elastic) = saved
-            self.outputs.take_pending()
 
     # ------------------------------------------------------------------ policy state
     def save_policy_state(self, path: str) -> None:
@@ -353,17 +334,6 @@ class LLMEngine:
         if self.elastic is not None and not self.scheduler.has_unfinished():
             self.elastic.tick()  # idle from now on: contract while nothing runs
         return outputs
-
-    def replays(self, st: StepState):
-        """The model work of a step that ran, as calls that run it again on the same inputs:
-        (the target's forward, the draft loop or None). ``jspec bench step`` times them beside
-        the step; the forward rewrites the same K/V, so the engine's state is kept."""
-        draft = st.proposer.replay(st) if st.gamma and st.proposer is not None else None
-        return self.executor.replay_forward(st), draft
-
-    def sync_device(self) -> None:
-        """Wait for the device work dispatched so far (a step left in flight included)."""
-        jax.block_until_ready(self.runner.target_kv)
 
     def _observe(self, st: StepState, fetched: Fetched, clock: StageClock) -> None:
         """The step's one record: to the metrics, elastic memory, the policy and the step

@@ -65,7 +65,7 @@ def _median(fn, repeats: int = 9) -> float:
 
 def bare_forward(engine, st) -> float:
     """Seconds of the target forward alone over the batch a step verified."""
-    return _median(engine.replays(st)[0])
+    return _median(engine.probe.replays(st)[0])
 
 
 def _timed(fn) -> float:
@@ -78,7 +78,7 @@ def _timed(fn) -> float:
 
 def _replay(engine, st) -> tuple[float, float]:
     """Seconds of one bare target forward and one bare draft loop (0 without one) on ``st``."""
-    forward, draft = engine.replays(st)
+    forward, draft = engine.probe.replays(st)
     return _timed(forward), _timed(draft) if draft else 0.0
 
 
@@ -127,7 +127,7 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
         engine.step()
         times.append(time.perf_counter() - t)
         if not trace:
-            engine.sync_device()  # the step left in flight
+            engine.probe.sync_device()  # the step left in flight
             replays.append(_replay(engine, engine.last_step))
     if trace:
         jax.profiler.stop_trace()
