@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jspec.block_manager import PrefixCacheStats
-from jspec.policies.base import StepOutcome, batch_bucket, chain_label
+from jspec.policies.base import batch_bucket, chain_label
 
 if TYPE_CHECKING:  # the record's module imports JAX; this one need not
     from jspec.step_record import StepRecord
@@ -26,11 +26,6 @@ class SpecCounts:
     num_accepted_tokens: int  # by the drafting sequence-steps
     num_emitted_tokens: int  # by the drafting sequence-steps
     accepted_per_position: np.ndarray  # [max_gamma] position k: drafts that accepted > k tokens
-
-    @classmethod
-    def of(cls, outcome: StepOutcome, max_gamma: int) -> SpecCounts:
-        return cls.count(outcome.gammas, outcome.num_verified, outcome.num_accepted,
-                         outcome.num_emitted, max_gamma)
 
     @classmethod
     def count(cls, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
@@ -122,14 +117,14 @@ class EngineMetrics:
         for stage, seconds in outcome.stage_times.items():
             self.stage_time[stage] = self.stage_time.get(stage, 0.0) + seconds
         if outcome.num_decode:
-            self.record_spec(SpecCounts.of(outcome, self.max_gamma), outcome.batch_size)
+            self.record_spec(outcome.spec_counts, outcome.batch_size)
             label = self.chain_label(outcome.chain)
             self.chain_histogram[label] = self.chain_histogram.get(label, 0) + 1
             hist = self.chain_histogram_by_batch.setdefault(batch_bucket(outcome.batch_size), {})
             hist[label] = hist.get(label, 0) + 1
 
     def record_spec(self, counts: SpecCounts, batch_size: int = 0) -> None:
-        """Fold in one decoding step's speculation counts (``SpecCounts.of``)."""
+        """Fold in one decoding step's speculation counts (``StepRecord.spec_counts``)."""
         self.gamma_histogram += counts.gamma_counts
         bucket = batch_bucket(batch_size)
         hist = self.gamma_histogram_by_batch.get(bucket)

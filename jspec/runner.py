@@ -380,9 +380,8 @@ class ModelRunner:
         ``segmented``: over the pool with its extension segment (γ = 0 only). ``decode_only``:
         every sequence brings at most γ + 1 tokens (the forward inside
         ``verify_accept_executable``, which the step benchmark replays alone)."""
-        opts = self._target_options(gamma + 1 if decode_only else None)
-
         def build():
+            opts = self._target_options(gamma + 1 if decode_only else None)
             specs = [_spec(self.target.params), self._target_kv_spec(segmented),
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1))]
             fn = (functools.partial(device_steps.verify_forward, opts=opts) if gamma

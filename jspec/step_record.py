@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jspec.metrics import SpecCounts
 from jspec.policies import StepOutcome
 
 if TYPE_CHECKING:  # the step's state imports JAX; the record (read by the simulator) does not
@@ -32,6 +33,8 @@ class StepRecord(StepOutcome):
     gamma_bucket: int = 0  # the compiled γ bucket the step ran in (0: no draft work)
     num_running: int = 0  # sequences running after the step
     num_waiting: int = 0  # queue depth after the step
+    # the step's speculation counts, computed once for every reader (None without decoding rows)
+    spec_counts: SpecCounts | None = None
 
 
 def _signal_reader(st: "StepState", fetched: "Fetched", verified: np.ndarray, max_gamma: int):
@@ -69,6 +72,7 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
     accepted = np.minimum(fetched.result.num_accepted[idx], verified)
     extra = st.proposer.record(st, idx) if gamma and st.proposer is not None else {}
     emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
+    counts = SpecCounts.count(planned, verified, accepted, emitted, max_gamma) if n else None
     signal = _signal_reader(st, fetched, verified, max_gamma)
     t = clock.times
     return StepRecord(
@@ -85,4 +89,5 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
         stage_times=dict(t), gamma_bucket=gamma, num_tokens=st.num_tokens,
         num_padded_tokens=st.num_padded_tokens,
         num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
-        chain=st.chain if gamma else (), intermediate_time=t["intermediate"], **extra)
+        chain=st.chain if gamma else (), intermediate_time=t["intermediate"],
+        spec_counts=counts, **extra)

@@ -5,7 +5,7 @@ Three kinds of series:
 * what the server observes per request (request counts by endpoint and status, finish reasons,
   TTFT / TPOT / end-to-end latency histograms, prompt and generated tokens): counters and
   histograms updated on the event loop;
-* what the engine's per-step record (``jspec.policies.base.StepRecord``) says: steps, step time,
+* what the engine's per-step record (``jspec.step_record.StepRecord``) says: steps, step time,
   batch size and target tokens per step, the γ bucket each step ran in, time per step stage,
   prefill tokens, the vLLM-style ``spec_decode_*`` counters, accepted tokens per draft position,
   the γ chosen per sequence-step overall and per batch-size bucket, the mean γ of the latest
@@ -284,7 +284,7 @@ class ServerMetrics:
             label = chain_label(self._pool, o.chain)
             child = self._chains[key] = self.spec_chain.labels(label, str(bucket))
         child.inc()
-        self._observe_spec(SpecCounts.of(o, self._max_gamma), bucket)
+        self._observe_spec(o.spec_counts, bucket)
 
     def _observe_spec(self, counts: SpecCounts, bucket: int) -> None:
         """Fold in one decoding step's speculation counts (the ones EngineMetrics adds up)."""
