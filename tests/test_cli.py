@@ -205,6 +205,18 @@ def test_help_is_fast_and_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_python_dash_m_jspec_is_the_command():
+    """`python3 -m jspec` runs the CLI with that interpreter (the GPU check's spelling, where the
+    `jspec` script on PATH may belong to another Python)."""
+    proc = subprocess.run([sys.executable, "-m", "jspec", "validate-gpu", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--budget-s" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "jspec", "no-such-command"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
 def test_generate_in_a_fresh_process_runs_bf16_with_the_cpu_flag(tiny_pair, tmp_path):
     """The real entry point: a new process, where `jspec` sets the CPU bf16 flag before JAX starts
     and dtype 'auto' resolves to bfloat16 (in-process tests cannot cover this: JAX is up)."""
