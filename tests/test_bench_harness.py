@@ -605,12 +605,16 @@ def test_headline_judges_the_worst_round():
               "auto": ([122.0, 110.0, 121.0], [0.0080, 0.0081, 0.0082])}
     res = _with_rounds(_fake_results({k: sum(v[0]) / 3 for k, v in rounds.items()},
                                      {k: sum(v[1]) / 3 for k, v in rounds.items()}), rounds)
-    (goal, met, numbers), = worst_run_checks("high", res, "nightjar")
+    (goal, met, numbers), same_round = worst_run_checks("high", res, "nightjar")
     assert met and "0.975" in numbers and "nightjar worst of 3 rounds" in goal  # 117 / 120
+    # against each round's best fixed (120, 118, 122): 121/120, 119/118, 117/122 = 0.959
+    assert same_round[0] == "nightjar worst of 3 rounds >= 0.97 x the same round's best fixed"
+    assert not same_round[1] and "1.008, 1.008, 0.959" in same_round[2]
     assert not worst_run_checks("high", res, "auto")[0][1]  # 110 / 120 = 0.917
-    # below saturation: the worst p90 TPOT against the lowest fixed mean (8 ms)
+    # below saturation: the worst p90 TPOT against the lowest fixed mean (8 ms), and per round
     assert worst_run_checks("low", res, "nightjar")[0][1] is False  # 8.6 / 8.0 = 1.075
     assert worst_run_checks("low", res, "auto")[0][1] is True  # 8.2 / 8.0 = 1.025
+    assert worst_run_checks("low", res, "auto")[1][1] is True  # 8.2 / 8.0 in the third round
     assert worst_run_checks("step", res, "nightjar") == []  # changing loads: on the means
     assert worst_run_checks("high", {**res, "summary": None}, "nightjar") == []
     report = headline_report({"high": res}, {"high": "jspec bench serving A"})
