@@ -58,6 +58,7 @@ class LLMEngine:
         chains = engine_setup.check_chains(policy, len(pool))
         self.gamma_buckets = gamma_buckets(policy.possible_gammas(), self.max_gamma) \
             if pool and chains else (0,)
+        policy.set_gamma_buckets(self.gamma_buckets)  # the shapes its plans will run at
         self.block_manager, self.scheduler = engine_setup.make_scheduler(
             self.rc, [target, *pool], max(policy.possible_gammas()))
         self.runner = ModelRunner(target, pool, self.rc, kv_dtype, CompileSpec(

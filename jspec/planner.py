@@ -151,6 +151,7 @@ class Planner:
     def batch_view(self, st: StepState) -> BatchView:
         decode_rows = st.decode_rows
         scheduler, bm = self.scheduler, self.block_manager
+        backlog_tokens, backlog_requests = scheduler.prefill_backlog(st.rows)
         return BatchView(
             request_ids=[r.seq.request_id for r in decode_rows],
             context_lens=np.array([r.seq.num_tokens for r in decode_rows], np.int64),
@@ -166,4 +167,6 @@ class Planner:
             remaining_tokens=np.array(
                 [r.seq.sampling_params.max_tokens - r.seq.num_output_tokens
                  for r in decode_rows], np.int64),
+            prefill_backlog_tokens=backlog_tokens,
+            prefill_backlog_requests=backlog_requests,
         )

@@ -9,11 +9,17 @@ into draft, catch-up and target parts, the padded verify width, and the per-posi
 policy declares it reads). Nothing runs a model: the environment (``Environment``) supplies
 
 * the step time, a cost model with the engine's shape (``StepCost``): a target forward of fixed
-  cost plus a cost per token of its padded width and per context token its rows attend to, the
+  cost plus a cost per token of its padded width (a decode-only step's is every row at the
+  compiled γ bucket of the step's longest draft, as the engine's) and per context token its rows
+  attend to, the
   draft loop's forwards (as many as the longest draft, each over every decoding row), and the
   draft's catch-up on tokens it missed (Nightjar's switching cost), all multiplied by
-  log-normal noise whose log follows an AR(1) process (``noise_rho``): step times on a shared
-  CPU drift, so neighbouring steps are not independent samples;
+  log-normal noise whose log follows an Ornstein-Uhlenbeck process in simulated time
+  (correlation time ``noise_tau``), and in spells of contention by a slowdown: step times on a
+  shared CPU drift, so neighbouring steps are not independent samples. The machine's slowness
+  is a function of the clock, not of the step count, as another process's load is: every
+  policy on a seed meets the same slow stretches at the same moments, so a fixed arm that runs
+  fewer, longer steps is not luckier or unluckier with the noise than one that runs many;
 * acceptance: every request draws its own rate α_i from a Beta distribution around the phase's
   mean; each drafted token gets a draft confidence q ~ Beta(κα_i, κ(1 − α_i)) and is accepted
   with probability q (calibrated confidences), its entropy and KL(p‖q) derived from q;
@@ -36,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 
+from jspec.config import gamma_bucket, gamma_buckets
 from jspec.policies import make_policy
 from jspec.policies.base import BatchView, DraftPlan, DraftStats, Policy
 from jspec.policies.profile import StepProfile
@@ -43,7 +50,8 @@ from jspec.step_record import StepRecord
 
 _ENTROPY_TAIL = 20  # tokens sharing a draft distribution's mass beside its top token
 _TOKEN_BUCKET = 64  # a step with prefill pads its verify width to a multiple of this
-_NOISE_CHUNK = 4096  # steps of step-time noise drawn at a time
+NOISE_DT = 0.005  # seconds: the grid the machine's slowness is drawn on
+_NOISE_CHUNK = 4096  # grid points of it drawn at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +97,12 @@ class Environment:
     alpha_concentration: float = 20.0  # Beta concentration of the per-request α_i
     confidence_concentration: float = 2.0  # Beta concentration of a token's confidence q
     noise_sd: float = 0.1  # standard deviation of the log step-time noise
-    noise_rho: float = 0.8  # its lag-1 autocorrelation
-    # (slowdown, mean spell in steps): another process takes a core in spells, slowing every
-    # step in a spell by ``slowdown``; spells and free stretches last ``mean spell`` steps on
-    # average (a two-state Markov chain). None: no contention.
+    # its correlation time in seconds: exp(−Δ/τ) between moments Δ apart (0.82 for steps of
+    # 50 ms, about the lag-1 autocorrelation of step times on the development machine)
+    noise_tau: float = 0.25
+    # (slowdown, mean spell in seconds): another process takes a core in spells, slowing every
+    # step that starts in a spell by ``slowdown``; spells and free stretches last ``mean spell``
+    # seconds on average (a two-state Markov process). None: no contention.
     contention: tuple[float, float] | None = None
     prefill_chunk: int = 256  # most prompt tokens a step prefills (chunked prefill)
     max_gamma: int = 4
@@ -292,11 +302,15 @@ class _Simulation:
         streams = np.random.default_rng(seed).spawn(3)
         # separate streams, so every policy on a seed meets the same noise and requests
         self.noise_rng = streams[0]
-        self.noise = ar1_noise(self.noise_rng, _NOISE_CHUNK, env.noise_rho)
+        self.noise_rho = float(np.exp(-NOISE_DT / env.noise_tau))  # per grid point
+        self.noise = ar1_noise(self.noise_rng, _NOISE_CHUNK, self.noise_rho)
         self.spells = self._spells(_NOISE_CHUNK, None)
         self.requests = _Requests(streams[1])
         self.rng = streams[2]
         policy.set_pool(("draft",))
+        # the γ buckets the engine would compile for this policy (jspec/engine.py)
+        self.buckets = gamma_buckets(policy.possible_gammas(), env.max_gamma)
+        policy.set_gamma_buckets(self.buckets)
         if policy.needs_profile and policy.profile is None:
             policy.set_profile(profile_of(env))
 
@@ -307,13 +321,17 @@ class _Simulation:
                          batch_size=len(r.ids) + prefill_rows, num_prefill_tokens=prefill,
                          num_waiting=0, num_free_blocks=1000, num_total_blocks=1000,
                          draft_resident=True, max_gamma=self.env.max_gamma,
-                         remaining_tokens=r.left + r.slack)
+                         remaining_tokens=r.left + r.slack,
+                         prefill_backlog_tokens=sum(q["prompt"] - q["done"] for q in r.prefilling),
+                         prefill_backlog_requests=sum(q["done"] < q["prompt"]
+                                                      for q in r.prefilling))
 
-    def noise_at(self, t: int) -> float:
-        """The step-time factor of step ``t``: exp(σ x_t), x the AR(1) series, times the
-        slowdown of a contention spell (both grown on use)."""
+    def noise_at(self, clock: float) -> float:
+        """The step-time factor of a step starting at ``clock`` seconds: exp(σ x), x the noise
+        process there, times the slowdown of a contention spell (both grown on use)."""
+        t = int(clock / NOISE_DT)
         while t >= len(self.noise):
-            more = ar1_noise(self.noise_rng, _NOISE_CHUNK, self.env.noise_rho, self.noise[-1])
+            more = ar1_noise(self.noise_rng, _NOISE_CHUNK, self.noise_rho, self.noise[-1])
             self.noise = np.concatenate([self.noise, more])
             self.spells = np.concatenate([self.spells,
                                           self._spells(_NOISE_CHUNK, bool(self.spells[-1]))])
@@ -323,17 +341,17 @@ class _Simulation:
         return factor
 
     def _spells(self, steps: int, last: bool | None) -> np.ndarray:
-        """Whether each of the next ``steps`` steps falls in a contention spell, going on from
-        ``last`` (None: a fresh start, in a spell with probability ½): the state flips with
-        probability 1 / mean spell at each step."""
+        """Whether each of the next ``steps`` grid points falls in a contention spell, going on
+        from ``last`` (None: a fresh start, in a spell with probability ½): the state flips
+        with probability grid step / mean spell at each point."""
         if self.env.contention is None:
             return np.zeros(steps, bool)
-        switch = self.noise_rng.random(steps) < 1.0 / self.env.contention[1]
+        switch = self.noise_rng.random(steps) < NOISE_DT / self.env.contention[1]
         if last is None:
             last = bool(self.noise_rng.random() < 0.5)
         return (np.cumsum(switch) + last) % 2 == 1
 
-    def step(self, t: int, progress: float) -> dict[str, float]:
+    def step(self, clock: float, progress: float) -> dict[str, float]:
         env, policy, r = self.env, self.policy, self.requests
         phase = env.phase(progress)
         r.settle(phase, env.alpha_concentration)
@@ -352,8 +370,8 @@ class _Simulation:
             lens = policy.select(view, stats)
             if lens is not None:
                 verified = np.minimum(np.maximum(np.asarray(lens, np.int64), 0), draft.drafted)
-        outcome = self.outcome(view, gammas, draft, verified,
-                               (prefill_attended, self.noise_at(t)))
+        noise = self.noise_at(clock)
+        outcome = self.outcome(view, gammas, draft, verified, (prefill_attended, noise))
         if view.num_decode:
             policy.observe(outcome)
         r.advance(outcome.num_emitted, gammas)
@@ -362,7 +380,7 @@ class _Simulation:
                 "emitted": float(outcome.num_emitted.sum() + first_tokens),
                 "gamma": float(gammas.mean()) if len(gammas) else 0.0,
                 "batch_size": view.batch_size, "prefill_tokens": prefill,
-                "phase": env.phases.index(phase)}
+                "phase": env.phases.index(phase), "noise": noise}
 
     def outcome(self, view: BatchView, gammas: np.ndarray, draft: _Draft, verified: np.ndarray,
                 step: tuple[float, float]) -> StepRecord:
@@ -375,7 +393,9 @@ class _Simulation:
         lead = np.cumprod(draft.accepted & (np.arange(g)[None, :] < verified[:, None]), axis=1)
         accepted = lead.sum(axis=1)
         emitted = np.minimum(accepted + 1, r.left)
-        bucket = int(gammas.max(initial=0))
+        # the step runs at the compiled bucket of its longest γ: every decoding row verifies
+        # that wide (the draft loop stops after the longest draft)
+        bucket = gamma_bucket(self.buckets, int(gammas.max(initial=0)))
         tokens = int((1 + verified).sum()) + view.num_prefill_tokens
         if view.num_prefill_tokens:
             width = -(-tokens // _TOKEN_BUCKET) * _TOKEN_BUCKET
@@ -404,7 +424,7 @@ class _Simulation:
 def run_policy(env: Environment, policy: Policy, seed: int, seconds: float) -> SimResult:
     """Run ``policy`` on ``env`` and ``seed`` for ``seconds`` of simulated time: throughput and
     per-step records (step_time, emitted, gamma (mean planned), batch_size, prefill_tokens,
-    phase (index into env.phases)).
+    phase (index into env.phases), noise (the machine's slowness factor the step met)).
 
     The phases follow simulated time, as arrivals do, so every policy spends the same time in
     each and its throughput weighs them alike. Phases placed by step count would not: a policy
@@ -415,7 +435,7 @@ def run_policy(env: Environment, policy: Policy, seed: int, seconds: float) -> S
     sim = _Simulation(env, policy, seed)
     rows, clock = [], 0.0
     while clock < seconds:
-        rows.append(sim.step(len(rows), clock / seconds))
+        rows.append(sim.step(clock, clock / seconds))
         clock += rows[-1]["step_time"]
     records = {key: np.array([row[key] for row in rows]) for key in rows[0]}
     return SimResult(int(records["emitted"].sum()), clock, records)
@@ -489,10 +509,11 @@ ENVIRONMENTS = {env.name: env for env in (
     # saturation-no-pay: a start-up profile taken in other conditions than the run's
     Environment("saturation-stale-profile", (Phase(0.0, 32, 0.88),), cost=_MEMORY_BOUND,
                 profile_cost=_COMPUTE_BOUND),
-    # saturation-pays on a CPU shared with another process: spells of ~20 steps at 2x the step
-    # time (as on the development machine beside a competing load, where Nightjar collapsed)
+    # saturation-pays on a CPU shared with another process: spells of ~1.5 s (~20 steps) at 2x
+    # the step time (as on the development machine beside a competing load, where Nightjar
+    # collapsed)
     Environment("saturation-contended", (Phase(0.0, 32, 0.88),), cost=_MEMORY_BOUND,
-                contention=(2.0, 20.0)),
+                contention=(2.0, 1.5)),
 )}
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 from jspec.block_manager import BlockManager
 from jspec.sequence import Sequence, SequenceStatus
@@ -260,6 +261,26 @@ class Scheduler:
             budget = self._admit(budget, scheduled, prefill_only=False)
 
         return SchedulerOutput(scheduled, preempted, config.max_num_batched_tokens - budget)
+
+    def prefill_backlog(self, scheduled) -> tuple[int, int]:
+        """(prompt tokens, requests) left to prefill after a step that runs ``scheduled`` (items
+        with ``seq``, ``num_new_tokens``, ``is_decode``): of the running sequences still in
+        prefill, beyond this step's chunks, and of the waiting ones a free slot could take;
+        those behind them wait for a slot, not for the token budget
+        (policies.base.BatchView.prefill_bound)."""
+        chunk = {id(s.seq): s.num_new_tokens for s in scheduled if not s.is_decode}
+        tokens = requests = 0
+        for seq in self._running.values():
+            left = seq.num_tokens - seq.num_computed
+            if left <= 1:  # decoding: only its newest token is uncomputed
+                continue
+            left -= chunk.get(id(seq), 0)
+            if left > 0:
+                tokens, requests = tokens + left, requests + 1
+        free = max(self.config.max_num_seqs - len(self._running), 0)
+        for seq in itertools.islice(self._waiting, free):
+            tokens, requests = tokens + seq.num_tokens - seq.num_computed, requests + 1
+        return tokens, requests
 
     def _admit(self, budget: int, scheduled: list[ScheduledSeq], prefill_only: bool) -> int:
         """Admit waiting sequences in FCFS order while budget, KV and max_num_seqs allow;

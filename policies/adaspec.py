@@ -107,6 +107,10 @@ token. So the walk starts at γ = 1, its peak is compared with γ = 0, and τ is
 (T(γ*) − T(1))/((γ* − 1)·n): once drafting has begun the fixed cost is spent, and the stop rule
 only weighs one more token (for linear costs this is the same τ as the paper's).
 
+(f) Prefill-bound steps. The efficiency model counts the decoding rows' tokens; when prompts wait
+for the token budget (``BatchView.prefill_bound``) the engine's throughput is the pace of its
+steps instead, and the plan is γ = 0 (as DSD's, policies/dsd.py).
+
 Options: ``profile`` (path or StepProfile; default: the one the engine measures at start-up,
 jspec/autoprofile.py), ``tpot_slo`` (seconds, None = no SLO),
 ``confidence_prior`` (c̄ before anything was observed, 0.6), ``verifier`` (True; False skips
@@ -264,12 +268,15 @@ class AdaSpecPolicy(Policy):
         """E(γ) with every sequence drafting γ and c_{i,j} predicted as c̄^j."""
         n = view.num_decode
         accepted = n * float(np.sum(self.predicted_confidence ** np.arange(gamma + 1)))
-        return self._efficiency(accepted, self.step_time(view, n * gamma, gamma), gamma > 0)
+        # verified as wide as the compiled bucket γ runs in (Policy.padded_gamma)
+        verify = n * int(self.padded_gamma(gamma))
+        return self._efficiency(accepted, self.step_time(view, verify, gamma), gamma > 0)
 
     def plan_gamma(self, view: BatchView) -> tuple[int, float]:
         """(γ*, E*): walk γ up from 1 while the predicted efficiency rises (first local maximum
         of the speculative steps), then keep γ = 0 if plain decoding is better still (module
-        docstring, (e))."""
+        docstring, (e)). A γ that runs in a larger compiled bucket verifies as wide as the
+        bucket for fewer tokens, a dip the walk steps over rather than stopping at."""
         best_gamma, best = 0, self.predicted_efficiency(view, 0)
         if self.max_gamma == 0:
             return best_gamma, best
@@ -277,6 +284,8 @@ class AdaSpecPolicy(Policy):
         for gamma in range(2, self.max_gamma + 1):
             e = self.predicted_efficiency(view, gamma)
             if e <= peak:
+                if self.padded_gamma(gamma) > gamma:
+                    continue
                 break
             peak_gamma, peak = gamma, e
         return (peak_gamma, peak) if peak > best else (best_gamma, best)
@@ -297,7 +306,7 @@ class AdaSpecPolicy(Policy):
     # ------------------------------------------------------------------ the protocol
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode
-        if not view.draft_resident or n == 0 or self.max_gamma == 0:
+        if not view.draft_resident or n == 0 or self.max_gamma == 0 or view.prefill_bound:
             return DraftPlan(gammas=np.zeros(n, np.int32))
         gamma, best = self.plan_gamma(view)
         threshold = self.stop_threshold(view, gamma, best)

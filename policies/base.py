@@ -49,10 +49,29 @@ class BatchView:
     # [n] int: output tokens each sequence may still emit (its max_tokens less what it has;
     # a stop string or EOS may end it sooner)
     remaining_tokens: np.ndarray
+    # prompt tokens still to prefill after this step, of the requests that hold a slot or have a
+    # free one waiting for them (not those queued for a slot), and how many such requests
+    prefill_backlog_tokens: int = 0
+    prefill_backlog_requests: int = 0
 
     @property
     def num_decode(self) -> int:
         return len(self.request_ids)
+
+    @property
+    def prefill_bound(self) -> bool:
+        """Whether prompts, not decoding, hold the batch back: after this step at least as many
+        requests (and at least two) still wait for their prompt's prefill, holding slots or
+        with slots free for them, as there are decoding sequences, and more of their prompt
+        tokens than this step's chunk. Then the engine's throughput is the pace of its steps
+        (each prefills one budget's worth): a decoding row's extra tokens free a slot only for
+        a request that joins the prefill queue, while speculation lengthens the step and takes
+        token budget from the prefill. A transient queue (a few requests that finished in the
+        same step, replaced by new prompts) is not that, nor is one long prompt at low load,
+        where its decoding neighbours' latency is what counts."""
+        waiting = self.prefill_backlog_requests
+        return (waiting >= max(2, self.num_decode)
+                and self.prefill_backlog_tokens > max(self.num_prefill_tokens, 0))
 
 
 @dataclasses.dataclass
@@ -243,6 +262,10 @@ class Policy(abc.ABC):
     # ``wants_pool``: the policy runs chains over several drafts; with no models given the
     # engine loads the built-in pool's middle model too (jspec.llm.build_engine).
     wants_pool: bool = False
+    # The γ values the engine compiled its steps for (``set_gamma_buckets``): a step runs at
+    # the smallest bucket ≥ its largest γ, and its target forward is as wide as that bucket for
+    # every decoding row (γ = 3 in a bucket of 4 pays for 4). None: every γ its own shape.
+    gamma_buckets: tuple[int, ...] | None = None
 
     def __init__(self, max_gamma: int):
         if not isinstance(max_gamma, int) or max_gamma < 0:
@@ -275,6 +298,20 @@ class Policy(abc.ABC):
 
     def set_profile(self, profile: Any) -> None:
         self.profile = profile
+
+    def set_gamma_buckets(self, buckets) -> None:
+        """The engine's compiled γ buckets (config.gamma_buckets), set before the first plan."""
+        self.gamma_buckets = tuple(sorted(int(b) for b in buckets))
+
+    def padded_gamma(self, gammas) -> np.ndarray:
+        """The γ each of ``gammas`` runs at: its bucket (``gamma_buckets``), itself when the
+        buckets are unknown or it exceeds them."""
+        g = np.asarray(gammas, np.int64)
+        if not self.gamma_buckets:
+            return g
+        buckets = np.asarray(self.gamma_buckets, np.int64)
+        i = np.minimum(np.searchsorted(buckets, g), len(buckets) - 1)
+        return np.maximum(buckets[i], g)
 
     def set_pool(self, names: tuple[str, ...]) -> None:
         """The engine's draft pool (model names, smallest first), set before the first plan."""

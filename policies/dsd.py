@@ -12,7 +12,12 @@ decoding sequences; γ draft forwards plus a target forward over γ+1 tokens per
     γ* = argmax_{γ ∈ 0..max_gamma} n·E(γ) / T(γ)
 
 for the n decoding sequences, the same γ* for all (ties go to the smaller γ). The sum form is used
-so α = 1 needs no special case.
+so α = 1 needs no special case. The objective is the decoding rows' goodput, which is the
+engine's only while decoding is what holds it back: in a step where prompts wait for the token
+budget (``BatchView.prefill_bound``: as many requests queued for prefill as there are decoding
+rows) the engine's throughput is the pace of its steps, and the plan is γ = 0 (in the
+simulator's prefill-bursts this lifted DSD from 0.92 of the best fixed arm to above 1.1;
+docs/benchmarks.md, "Policies in a simulated environment").
 
 α is an EMA (rate ``ema``, default 0.1: about the last ten steps, each already an average over
 the batch) of each step's per-token acceptance rate, starting at ``alpha0`` (0.6, AdaSpec's
@@ -103,10 +108,13 @@ class DSDPolicy(Policy):
     def step_times(self, view: BatchView, gammas: np.ndarray) -> np.ndarray:
         """T(γ): the profile's, or with ``measured`` (once the steps seen tell a from b) the
         linear time model measured on this run: the target's a + b·w over the decode rows'
-        width w = n·(γ + 1), plus γ draft forwards at their measured cost (the profile's until a
-        draft has run). A prefill chunk in the step costs the same whatever γ; counted in T it
-        would dilute speculation's cost and favour it exactly when the chunk is large."""
-        return self._times(view, view.num_decode * (gammas + 1), gammas, gammas)
+        width w = n·(γ' + 1), γ' the compiled bucket γ runs in (``padded_gamma``: γ = 3 in a
+        bucket of 4 verifies as wide as γ = 4), plus γ draft forwards at their measured cost
+        (the profile's until a draft has run; the draft loop stops after γ). A prefill chunk in
+        the step costs the same whatever γ; counted in T it would dilute speculation's cost and
+        favour it exactly when the chunk is large."""
+        width = view.num_decode * (self.padded_gamma(gammas) + 1)
+        return self._times(view, width, gammas, gammas)
 
     def _times(self, view: BatchView, width, forwards, profile_gammas):
         """The step's time with a target forward ``width`` tokens wide and ``forwards`` draft
@@ -129,17 +137,20 @@ class DSDPolicy(Policy):
 
     def plan_goodput(self, view: BatchView, gammas: np.ndarray) -> float:
         """Predicted goodput of a per-sequence plan: Σ_i E(γ_i) over the step's time, its target
-        forward as wide as the plan's rows (Σ γ_i + 1) and as many draft forwards as its longest
-        draft. The profile, measured at uniform γ, is read at the plan's mean γ."""
+        forward as wide as every row at the bucket of the plan's longest draft, and as many
+        draft forwards as that draft. The profile, measured at uniform γ, is read at the plan's
+        mean γ."""
         gammas = np.asarray(gammas, np.int64)
         tokens = float(expected_tokens(self.planning_alpha, gammas).sum())
         mean = float(gammas.mean()) if gammas.size else 0.0
-        seconds = self._times(view, int((gammas + 1).sum()), int(gammas.max(initial=0)), mean)
+        longest = int(gammas.max(initial=0))
+        width = gammas.size * (int(self.padded_gamma(longest)) + 1)
+        seconds = self._times(view, width, longest, mean)
         return tokens / float(seconds)
 
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode
-        if not view.draft_resident or n == 0 or self.max_gamma == 0:
+        if not view.draft_resident or n == 0 or self.max_gamma == 0 or view.prefill_bound:
             return DraftPlan(gammas=np.zeros(n, np.int32))
         gamma = int(np.argmax(self.goodputs(view)))  # first maximum: ties to the smaller γ
         return DraftPlan(gammas=np.full(n, gamma, np.int32))
@@ -170,8 +181,8 @@ class DSDPolicy(Policy):
         # judged_tokens is newer: a state saved before it has none (the bound is wide again)
         if not {"alpha", "num_updates"} <= set(state) <= {"alpha", "num_updates",
                                                           "judged_tokens"}:
-            raise ValueError(f"dsd state needs keys ['alpha', 'num_updates'] (and optionally "
-                             f"'judged_tokens'), got {sorted(state)}")
+            raise ValueError(f"{self.name} state needs keys ['alpha', 'num_updates'] (and "
+                             f"optionally 'judged_tokens'), got {sorted(state)}")
         self.alpha = _unit("alpha", state["alpha"], low_open=False)
         self.num_updates = int(state["num_updates"])
         self.judged_tokens = float(state.get("judged_tokens", 0.0))

@@ -188,6 +188,8 @@ class DSDEPolicy(Policy):
         n = view.num_decode
         if not view.draft_resident or n == 0:
             return DraftPlan(gammas=np.zeros(n, np.int32))
+        if self.gate is not None and view.prefill_bound:  # the gate's rule, in warm-up too
+            return DraftPlan(gammas=np.zeros(n, np.int32))
         if not self.calibrated:
             return DraftPlan(gammas=np.full(n, self.warmup_gamma, np.int32))
         sls = np.array([self.predict(rid) for rid in view.request_ids], np.float64)

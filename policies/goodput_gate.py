@@ -17,6 +17,9 @@ from the current batch, so a load that falls opens it again: it cannot lock itse
 sample taken under other conditions. While it is shut no acceptance is observed and the rate
 stays where it was. Given no profile (a policy planned outside an engine), the gate stays open
 until the run's own model is fitted.
+
+A step in which prompts wait for the token budget (``BatchView.prefill_bound``) decodes plainly
+whatever the prediction: the engine's pace is then its steps', which speculation only slows.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class GoodputGate:
 
     def apply(self, view: BatchView, plan: DraftPlan) -> DraftPlan:
         gammas = np.asarray(plan.gammas)
+        if gammas.size and view.prefill_bound:
+            return DraftPlan(gammas=np.zeros_like(gammas), chain=plan.chain)
         if gammas.size == 0 or not gammas.any() or not self._model.can_predict:
             return plan  # outside an engine, with no profile: speculate until steps are timed
         plain = self._model.plan_goodput(view, np.zeros_like(gammas))

@@ -95,6 +95,12 @@ wrong arm at saturation", "Adaptation under load", "Adaptation that never collap
   (hundreds of steps when it was 30% behind, thousands when it was 2× behind) and its first
   fresh sample moves g̃ most of the way. With drift 0 the update is exactly the 1/n average.
 
+- Prefill-bound steps decode plainly, outside the bandit: in a step where prompts wait for the
+  token budget (``BatchView.prefill_bound``) the engine's throughput is the pace of its steps,
+  not the decoding rows' goodput the reward measures, so the step plays γ = 0 as a forced step
+  (learned from, not counted in the bin schedule), as with the draft offloaded. In the
+  simulator's prefill-bursts the bandit otherwise kept speculating through bursts of long
+  prompts (0.97 of the best fixed arm; with the rule 1.10 on its worst seed).
 - ``prior`` (default on, so that a new context converges faster): an arm with no sample in a context
   is judged by a prior instead of being played first, g̃⁰_{B,γ} = n·E(γ)/T(B, γ), with T the
   step-time profile's (the engine measures one at start-up when none is given,
@@ -371,7 +377,7 @@ class NightjarPolicy(Policy):
             self._pending = None
             return DraftPlan(gammas=np.zeros(0, np.int32))
         key = batch_bucket(view.batch_size)
-        if not view.draft_resident:
+        if not view.draft_resident or view.prefill_bound:
             self._pending = {"context": key, "gamma": 0, "forced": True}
             return DraftPlan(gammas=np.zeros(n, np.int32))
         ctx = self._context(key)
@@ -504,13 +510,15 @@ class NightjarPolicy(Policy):
 
     def model_goodput(self, view: BatchView) -> np.ndarray | None:
         """n·E(γ)/T(γ) per γ from the run's own step-time model (``MeasuredTime``: the target's
-        line over the forward's width n·(γ + 1), plus γ draft forwards) and the judged
-        acceptance rate ``alpha``; None until that model is fitted."""
+        line over the forward's width n·(γ' + 1), γ' the compiled bucket γ runs in, plus γ
+        draft forwards) and the judged acceptance rate ``alpha``; None until that model is
+        fitted."""
         if not self._time.ready or view.num_decode == 0:
             return None
         n = view.num_decode
         gammas = np.arange(self.max_gamma + 1)
-        times = self._time.target(n * (gammas + 1)) + gammas * self._time.draft_forward()
+        times = (self._time.target(n * (self.padded_gamma(gammas) + 1))
+                 + gammas * self._time.draft_forward())
         return n * expected_tokens(self.alpha, gammas) / np.maximum(times, 1e-9)
 
     def c_prefill(self, view: BatchView) -> float:

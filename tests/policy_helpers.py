@@ -12,7 +12,8 @@ def make_view(num_decode: int = 1, batch_size: int | None = None, max_gamma: int
               context_lens=None, pending=None, request_ids=None, num_waiting: int = 0,
               num_free_blocks: int = 100, num_total_blocks: int = 100,
               draft_resident: bool = True, num_prefill_tokens: int = 0,
-              remaining=None) -> BatchView:
+              remaining=None, prefill_backlog_tokens: int = 0,
+              prefill_backlog_requests: int = 0) -> BatchView:
     """A view of ``num_decode`` decoding sequences (ids 'r0'..) in a step of ``batch_size``,
     each with ``remaining`` output tokens left (default 100)."""
     ids = request_ids if request_ids is not None else [f"r{i}" for i in range(num_decode)]
@@ -25,7 +26,9 @@ def make_view(num_decode: int = 1, batch_size: int | None = None, max_gamma: int
         num_prefill_tokens=num_prefill_tokens, num_waiting=num_waiting,
         num_free_blocks=num_free_blocks, num_total_blocks=num_total_blocks,
         draft_resident=draft_resident, max_gamma=max_gamma,
-        remaining_tokens=np.asarray(remaining if remaining is not None else [100] * n))
+        remaining_tokens=np.asarray(remaining if remaining is not None else [100] * n),
+        prefill_backlog_tokens=prefill_backlog_tokens,
+        prefill_backlog_requests=prefill_backlog_requests)
 
 
 def make_outcome(view: BatchView, gammas, num_accepted, *, step_time: float = 0.01,

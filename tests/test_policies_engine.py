@@ -58,6 +58,8 @@ def test_policy_is_lossless_end_to_end(name, engine_models, prompts, reference, 
     outs = run_to_completion(engine, prompts, GREEDY)
     for i in range(len(prompts)):
         assert outs[str(i)].token_ids == reference[i], f"{name}: prompt {i} differs"
+    # the policy prices its plans at the γ buckets the engine compiled
+    assert engine.planner.policy.gamma_buckets == tuple(engine.gamma_buckets)
     m = engine.metrics
     hist = m.as_dict()["gamma_histogram_by_batch"]
     assert sum(sum(h) for h in hist.values()) == int(m.gamma_histogram.sum()) > 0
@@ -131,3 +133,24 @@ def test_unknown_policy_lists_every_policy():
         make_policy("nope", 4)
     for name in DOCUMENTED:
         assert name in str(e.value)
+
+
+def test_the_view_carries_the_prefill_backlog(engine_models, prompts):
+    """Planner.batch_view fills the prefill backlog from the scheduler: ten prompts under a
+    64-token budget leave prompts waiting for prefill beside the first decoding rows."""
+    from jspec.policies.static import StaticPolicy
+
+    class Recorder(StaticPolicy):
+        name = "static"
+        views = []
+
+        def plan(self, view):
+            self.views.append(view)
+            return super().plan(view)
+
+    target, draft, _ = engine_models
+    policy = Recorder(MAX_GAMMA)
+    run_to_completion(make_engine(target, draft, policy=policy), prompts, GREEDY)
+    waiting = [v for v in policy.views if v.prefill_backlog_requests]
+    assert waiting and policy.views[-1].prefill_backlog_requests == 0
+    assert all(v.prefill_backlog_tokens >= v.prefill_backlog_requests for v in policy.views)

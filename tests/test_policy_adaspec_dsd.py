@@ -413,3 +413,25 @@ def test_state_dict_json_round_trip():
     assert fresh_dsd.state_dict() == dsd.state_dict()
     with pytest.raises(ValueError):
         fresh_dsd.load_state_dict({"alpha": 2.0, "num_updates": 0})
+
+
+def test_auto_is_dsd_under_its_own_name():
+    from jspec.policies import make_policy
+    from jspec.policies.auto import AutoPolicy
+    from jspec.policies.dsd import DSDPolicy
+
+    p = make_policy("auto", 4, profile=synthetic_profile())
+    assert isinstance(p, AutoPolicy) and isinstance(p, DSDPolicy)
+    assert (p.measured, p.confidence_z, p.rate) == (True, 2.0, "judged")
+    p.alpha, p.num_updates, p.judged_tokens = 0.7, 12, 40.0
+    state = json.loads(json.dumps(p.state_dict()))
+    assert state["policy"] == "auto"
+    q = make_policy("auto", 4, profile=synthetic_profile())
+    q.load_state_dict(state)
+    assert (q.alpha, q.num_updates, q.judged_tokens) == (0.7, 12, 40.0)
+    with pytest.raises(ValueError, match="belongs to policy 'nightjar', not 'auto'"):
+        q.load_state_dict({"policy": "nightjar", "alpha": 0.5, "num_updates": 1})
+    with pytest.raises(ValueError, match="auto state needs keys"):
+        q.load_state_dict({"policy": "auto", "contexts": {}})
+    with pytest.raises(ValueError, match="confidence_z"):
+        make_policy("auto", 4, confidence_z="high")

@@ -633,21 +633,6 @@ def test_policies_do_not_import_jax():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
-def test_auto_is_nightjar_under_its_own_name():
-    from jspec.policies import make_policy
-    from jspec.policies.auto import AutoPolicy
-
-    p = make_policy("auto", 4)
-    assert isinstance(p, AutoPolicy) and isinstance(p, NightjarPolicy)
-    assert (p.eliminate, p.reward, p.drift) == (True, "decode_marginal", 0.1)
-    state = p.state_dict()
-    assert state["policy"] == "auto"
-    with pytest.raises(ValueError, match="belongs to policy 'auto', not 'nightjar'"):
-        NightjarPolicy(4).load_state_dict(state)
-    with pytest.raises(ValueError, match="auto option drift must be a number >= 0"):
-        make_policy("auto", 4, drift=-1)
-
-
 def test_a_state_saved_before_decode_only_samples_still_loads():
     p = NightjarPolicy(2)
     state = p.state_dict()

@@ -7,6 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from policy_helpers import make_view
 
 from jspec.block_manager import BlockManager
 from jspec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
@@ -449,6 +450,37 @@ def test_reclaim_spends_unplanned_lookahead_on_prefill():
     assert bm.num_slots("long") >= 26
     commit(sched, out)
     assert not sched.reclaim(sched.schedule(), [5, 5, 5, 5, 0])  # nothing to give back
+
+
+def test_prefill_backlog_counts_prompts_that_wait_for_budget_not_for_a_slot():
+    sched, _ = _four_decoders()  # 8 slots, 4 decoding
+    for rid, n in (("long", 40), ("next", 10), ("w1", 11), ("w2", 12), ("w3", 13), ("w4", 14)):
+        sched.add(make_seq(rid, n))
+    out = sched.schedule()
+    assert by_id(out)["long"].num_new_tokens == 8  # 32 - 4 x (1 + 5)
+    # long's 32 tokens after this chunk, and the three waiting requests the three free slots
+    # could take; w3 and w4 wait for a slot
+    assert sched.prefill_backlog(out.scheduled) == (32 + 10 + 11 + 12, 4)
+    view = make_view(4, num_prefill_tokens=8, prefill_backlog_tokens=65,
+                       prefill_backlog_requests=4)
+    assert view.prefill_bound
+    commit(sched, out)
+    # decoding rows are not backlog, and a running prompt's chunk is taken off it
+    assert sched.prefill_backlog([]) == (32 + 10 + 11 + 12, 4)
+
+
+def test_prefill_bound_needs_a_queue_as_long_as_the_decoding_batch():
+    # a transient queue (two requests finished together at saturation) is not prefill-bound
+    assert not make_view(30, num_prefill_tokens=256, prefill_backlog_tokens=340,
+                           prefill_backlog_requests=2).prefill_bound
+    # one long prompt at low load is not either
+    assert not make_view(1, num_prefill_tokens=256, prefill_backlog_tokens=4000,
+                           prefill_backlog_requests=1).prefill_bound
+    # the chunk of this step clears the queue: nothing waits behind it
+    assert not make_view(2, num_prefill_tokens=512, prefill_backlog_tokens=300,
+                           prefill_backlog_requests=3).prefill_bound
+    assert make_view(4, num_prefill_tokens=256, prefill_backlog_tokens=9000,
+                       prefill_backlog_requests=6).prefill_bound
 
 
 def test_reclaim_completes_a_prompt_then_admits_the_next():
