@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from jspec.policies.base import BatchView, DraftPlan
+from jspec.policies.base import BatchView
 from jspec.policies.dsd import DSDPolicy
 
 
@@ -42,12 +42,12 @@ class AutoPolicy(DSDPolicy):
     # no start-up profile: until the run's own steps price every γ, it speculates at Γmax
     needs_profile = False
 
-    def plan(self, view: BatchView) -> DraftPlan:
-        n = view.num_decode
-        if (self.can_predict or not view.draft_resident or n == 0 or self.max_gamma == 0
-                or view.prefill_bound):
-            return super().plan(view)
-        return DraftPlan(gammas=np.full(n, self.max_gamma, np.int32))
+    def goodputs(self, view: BatchView) -> np.ndarray:
+        """DSD's predicted goodput per γ; before the run can price every γ, Γmax ranks first
+        (DSD's plan keeps its own rules for γ = 0: offloaded draft, prefill-bound step)."""
+        if self.can_predict:
+            return super().goodputs(view)
+        return (np.arange(self.max_gamma + 1) == self.max_gamma).astype(np.float64)
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.name, **super().state_dict()}
