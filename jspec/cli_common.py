@@ -9,13 +9,16 @@ import argparse
 import sys
 from typing import Any
 
+from jspec.config import SPECULATIVE_METHODS
+
 # EngineConfig fields that map one-to-one onto `--flag` options; unset flags keep the config's
 # default.
 ENGINE_OPTION_FIELDS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size",
                         "num_kv_blocks", "min_token_bucket", "kernel_backend", "elastic_memory",
                         "elastic_low_watermark", "elastic_persist_steps", "elastic_pool_layout",
                         "tensor_parallel_size", "max_logprobs", "enable_prefix_caching",
-                        "async_scheduling", "deterministic")
+                        "async_scheduling", "deterministic", "speculative_method",
+                        "prompt_lookup_min", "prompt_lookup_max")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +46,14 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
                       help="speculation policy: auto (adapts to load), static (fixed γ), off, "
                            "nightjar, dsde, adaspec, dsd, ucb, adaedl, heuristic "
                            "(default: %(default)s)")
+    spec.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                      help="what drafts: draft_model (the draft checkpoint; the built-in "
+                           "pair's without --target) or ngram (prompt lookup in each "
+                           "sequence's own tokens, no draft model) (default: draft_model)")
+    spec.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
+                      help="ngram: shortest suffix matched (default: 2)")
+    spec.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
+                      help="ngram: longest suffix matched (default: 4)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="N",
                       help="largest number of draft tokens per step, Γmax (default: %(default)s)")
     spec.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
@@ -154,6 +165,8 @@ def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.draft is not None and args.target is None:
         raise ValueError("--draft needs --target (give both, or neither for the default pair)")
+    if args.speculative_method == "ngram" and args.draft is not None:
+        raise ValueError("--speculative-method ngram drafts by lookup and takes no --draft")
     policy_options = parse_policy_options(args.policy_option)
     if args.num_speculative_tokens < 0:
         raise ValueError(f"--num-speculative-tokens must be >= 0, got "
@@ -188,7 +201,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def describe_models(args: argparse.Namespace) -> None:
     """One stderr note on which models run when that is not obvious from the flags."""
-    if args.target is None:
+    if args.speculative_method == "ngram":
+        which = "the built-in target" if args.target is None else "the target"
+        print(f"{which}, drafting by n-gram lookup (no draft model)", file=sys.stderr)
+    elif args.target is None:
         from jspec.default_models import describe_default_pair
         from jspec.policies import POLICIES
 

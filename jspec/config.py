@@ -22,6 +22,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: max_num_seqs full-length sequences (+ null block)
     kv_cache_memory_bytes: int | None = None  # alternative to num_kv_blocks
     num_speculative_tokens: int = 4  # Γmax: the largest γ any policy may choose
+    # what drafts (vLLM's speculative_config "method"): "draft_model" (the draft models given)
+    # or "ngram" (prompt lookup over each sequence's own tokens, jspec/proposers/ngram.py: no
+    # draft model; the suffix n of [prompt_lookup_min, prompt_lookup_max] tokens is matched)
+    speculative_method: str = "draft_model"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     policy: str = "static"
     policy_options: tuple[tuple[str, Any], ...] = ()
     enable_chunked_prefill: bool = True
@@ -79,6 +85,15 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got "
                              f"{self.num_speculative_tokens!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of "
+                             f"{', '.join(map(repr, SPECULATIVE_METHODS))}, got "
+                             f"{self.speculative_method!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (lo, hi)) \
+                or lo > hi:
+            raise ValueError(f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{lo!r} and {hi!r}")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.kernel_backend not in ("auto", "pallas", "interpret", "reference"):
@@ -112,6 +127,7 @@ class EngineConfig:
 
 
 ELASTIC_POOL_LAYOUTS = ("auto", "segments", "preallocated")
+SPECULATIVE_METHODS = ("draft_model", "ngram")
 
 
 def resolve_elastic_pool_layout(layout: str) -> str:

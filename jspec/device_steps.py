@@ -72,7 +72,8 @@ class DraftInputs:
 class Drafts:
     """A step's drafts as a verifier takes them (vLLM's ``SpecDecodeMetadata``): ``tokens``
     [S, G]; ``slots`` [S, G], where each goes in the verify batch (out of range: not verified);
-    ``logits`` [S, G, V], the draft distribution q; ``num_drafted`` [S]."""
+    ``logits`` [S, G, V], the draft distribution q (None: a lookup's drafts, one-hot q);
+    ``num_drafted`` [S]."""
 
     tokens: jax.Array
     slots: jax.Array
@@ -93,7 +94,8 @@ class Carried:
 @array_dataclass
 class DraftResult:
     """tokens [S, G]; raw draft logits [S, G, V] (float32, needed by the rejection sampler and the
-    signals); num_drafted [S]; confidence q(x_j) and entropy of q_j [S, G] (raw distributions)."""
+    signals; None for a lookup's drafts); num_drafted [S]; confidence q(x_j) and entropy of q_j
+    [S, G] (raw distributions)."""
 
     tokens: jax.Array
     logits: jax.Array

@@ -46,7 +46,9 @@ class LLMEngine:
                  policy: Policy | None = None):
         config = config or EngineConfig()
         pool = engine_setup.draft_pool(target, draft)
-        if not pool:
+        # a lookup drafts from the sequences' own tokens: no draft model
+        self.lookup = engine_setup.check_lookup(config, pool)
+        if not pool and not self.lookup:
             # Without a draft there is nothing to speculate with: plain decoding, no lookahead.
             config = dataclasses.replace(config, num_speculative_tokens=0, policy="off")
         self.config, self.tokenizer, self.target = config, tokenizer, target
@@ -55,20 +57,21 @@ class LLMEngine:
         engine_setup.check_pool(config, pool)
         kv_dtype = engine_setup.kv_dtype_of(config, target)
         self.rc, memory = engine_setup.size_cache(config, target, pool, kv_dtype)
-        chains = engine_setup.check_chains(policy, len(pool))
+        speculates = bool(pool) or self.lookup
+        chains = engine_setup.check_chains(policy, len(self.pool_names) if speculates else 0)
         self.gamma_buckets = gamma_buckets(policy.possible_gammas(), self.max_gamma) \
-            if pool and chains else (0,)
+            if speculates and chains else (0,)
         policy.set_gamma_buckets(self.gamma_buckets)  # the shapes its plans will run at
         self.block_manager, self.scheduler = engine_setup.make_scheduler(
             self.rc, [target, *pool], max(policy.possible_gammas()))
         self.runner = ModelRunner(target, pool, self.rc, kv_dtype, CompileSpec(
             self.gamma_buckets, signals=policy.signals if pool else (),
-            draft_stats=policy.wants_draft_stats, chains=chains))
+            draft_stats=policy.wants_draft_stats, chains=chains, lookup=self.lookup))
         self.elastic = None if memory is None else ElasticController(
             memory, self.runner, self.block_manager, self.scheduler)
         self.planner = Planner(self.rc, self.scheduler, self.block_manager, policy, Speculation(
-            self.gamma_buckets, chains, make_proposers(self.runner, chains), self.max_gamma,
-            drafts=bool(pool) and max(policy.possible_gammas()) > 0))
+            self.gamma_buckets, chains, make_proposers(self.runner, chains, config),
+            self.max_gamma, drafts=speculates and max(policy.possible_gammas()) > 0))
         self.planner.decide = self._decide
         self.planner.draft_resident = lambda: self.draft_resident
         self.chains = chains
@@ -127,9 +130,16 @@ class LLMEngine:
         return self.runner.draft
 
     @property
+    def speculates(self) -> bool:
+        """Whether anything can draft: a draft model, or a lookup."""
+        return self.lookup or self.draft is not None
+
+    @property
     def draft_resident(self) -> bool:
-        """Whether the draft can run this step (False while elastic memory has it offloaded or
-        its reload is still in flight)."""
+        """Whether the drafter can run this step (False while elastic memory has the draft
+        model offloaded or its reload is still in flight; a lookup is always there)."""
+        if self.lookup:
+            return True
         return self.draft is not None and (self.elastic is None or self.elastic.draft_resident)
 
     def reset_metrics(self) -> EngineMetrics:
@@ -343,7 +353,7 @@ class LLMEngine:
         self.metrics.observe(outcome)
         if self.elastic is not None:
             self.elastic.observe(outcome.num_decode > 0, st.gamma, self.config.max_num_seqs)
-        if outcome.num_decode and self.draft is not None:
+        if outcome.num_decode and self.speculates:
             t_policy = time.perf_counter()
             self.policy.observe(outcome)
             self.metrics.policy_time += time.perf_counter() - t_policy

@@ -29,11 +29,12 @@ class EngineLimits:
     block_size: int  # tokens per KV block
     num_kv_blocks: int  # usable KV blocks (the null block excluded)
     vocab_size: int
-    has_draft: bool  # False: plain decoding, nothing to speculate with
+    has_draft: bool  # False: plain decoding, nothing to speculate with (no draft, no lookup)
     policy: str  # the speculation policy's name
     max_gamma: int  # the most draft tokens a sequence may get in one step
     gamma_buckets: tuple[int, ...]  # the γ values steps are compiled for ((0,) without a draft)
-    draft_pool: tuple[str, ...] = ()  # the drafts' names, smallest first (chains index them)
+    # the drafters' names, chains index them: the draft models, smallest first, or ("ngram",)
+    draft_pool: tuple[str, ...] = ()
     # elastic memory: blocks the pool gains while the draft is offloaded (0 without it); a
     # request must fit in num_kv_blocks, the extension is extra room for the batch
     num_kv_extension_blocks: int = 0
@@ -54,10 +55,10 @@ class EngineLimits:
             max_num_batched_tokens=engine.rc.max_num_batched_tokens,
             block_size=config.block_size, num_kv_blocks=bm.num_base_usable_blocks,
             num_kv_extension_blocks=bm.num_extension_blocks,
-            vocab_size=engine.target.cfg.vocab_size, has_draft=engine.draft is not None,
+            vocab_size=engine.target.cfg.vocab_size, has_draft=engine.speculates,
             policy=engine.policy.name, max_gamma=engine.max_gamma,
             gamma_buckets=tuple(engine.gamma_buckets),
-            draft_pool=engine.pool_names if engine.runner.pool else (),
+            draft_pool=engine.pool_names if engine.runner.pool or engine.lookup else (),
             max_logprobs=(engine.runner.logprobs_width
                           if engine.inputs.logprobs_refusal is None else 0),
             kv_dtype=str(engine.runner.kv_dtype), kernel_backend=engine.runner.kernel_backend)

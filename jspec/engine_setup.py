@@ -44,6 +44,38 @@ def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
     return pool
 
 
+def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> bool:
+    """Whether the engine drafts by lookup (``speculative_method`` "ngram"), which runs no
+    draft model: a draft given beside it, or elastic memory (which offloads a draft model), is
+    refused."""
+    if config.speculative_method == "draft_model":
+        return False
+    if pool:
+        raise ValueError(f"speculative_method {config.speculative_method!r} drafts without a "
+                         f"draft model, but {len(pool)} draft model(s) were given; give none, "
+                         f"or use speculative_method 'draft_model'")
+    if config.elastic_memory:
+        raise ValueError(f"elastic_memory offloads a draft model; speculative_method "
+                         f"{config.speculative_method!r} has none")
+    return True
+
+
+def check_lookup_policy(policy: Policy, method: str) -> None:
+    """A lookup's drafts have no distribution and cost no draft forward: a policy that reads
+    the draft's distribution (signals, stop rules, ``select``), chains draft models or reasons
+    from a draft model's step-time profile cannot run on them."""
+    needs = [what for what, needed in (
+        (f"the draft distribution's signals {sorted(policy.signals)}", policy.signals),
+        ("the draft's confidence and entropy", policy.wants_draft_stats
+         or policy.wants_select),
+        ("a pool of draft models", policy.wants_pool),
+        ("a draft model's step-time profile", policy.needs_profile)) if needed]
+    if needs:
+        raise ValueError(f"policy {policy.name!r} needs {needs[0]}, which speculative_method "
+                         f"{method!r} does not have (it drafts by lookup, with no draft "
+                         f"model); use a policy without it, e.g. 'auto', 'static' or 'off'")
+
+
 def check_chains(policy: Policy, pool_size: int) -> frozenset[tuple[int, ...]]:
     """The chains the policy may play, checked against the pool: indices in range, strictly
     increasing (each level a larger model than the one it verifies), at most two drafts."""
@@ -108,9 +140,14 @@ def engine_policy(config: EngineConfig, policy: Policy | None, target: LoadedMod
     "draft" whatever it was loaded as)."""
     policy = policy or make_policy(config.policy, config.num_speculative_tokens,
                                    **config.policy_kwargs)
-    if not pool and not isinstance(policy, OffPolicy):
+    lookup = config.speculative_method != "draft_model"
+    if not pool and not lookup and not isinstance(policy, OffPolicy):
         policy = OffPolicy(0)
-    pool_names = tuple(m.name for m in pool) if len(pool) > 1 else ("draft",)
+    if lookup:
+        check_lookup_policy(policy, config.speculative_method)
+        pool_names: tuple[str, ...] = (config.speculative_method,)
+    else:
+        pool_names = tuple(m.name for m in pool) if len(pool) > 1 else ("draft",)
     policy.set_pool(pool_names)
     profile = getattr(policy, "profile", None)
     if isinstance(profile, StepProfile) and pool:

@@ -65,9 +65,12 @@ def check_engine_options(options: dict[str, Any]) -> None:
 
 def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
                         num_speculative_tokens: int | None):
-    """(target, draft, Γmax) from jspec's spelling or vLLM's (``model=``,
+    """(target, draft, Γmax, engine options) from jspec's spelling or vLLM's (``model=``,
     ``speculative_config={"model": ..., "num_speculative_tokens": N, "method":
-    "draft_model"}``); mixing the two for the same thing is an error."""
+    "draft_model"}``, or ``{"method": "ngram", "num_speculative_tokens": N,
+    "prompt_lookup_max": n, "prompt_lookup_min": m}``: given one of the two bounds, the other
+    is the same, as in vLLM); mixing the two spellings for the same thing is an error."""
+    options: dict[str, Any] = {}
     if model is not None:
         if target is not None:
             raise ValueError("give the target once: target= (jspec) or model= (vLLM)")
@@ -78,9 +81,18 @@ def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
                              f"{type(speculative_config).__name__}")
         spec = dict(speculative_config)
         method = spec.pop("method", None)
-        if method not in (None, "draft_model"):
-            raise ValueError(f"speculative_config method {method!r} is not supported: jspec "
-                             "speculates with draft models (method 'draft_model')")
+        if method not in (None, "draft_model", "ngram"):
+            raise ValueError(f"speculative_config method {method!r} is not supported; "
+                             "supported: 'draft_model', 'ngram'")
+        if method == "ngram":
+            if "model" in spec:
+                raise ValueError("speculative_config method 'ngram' drafts by lookup in the "
+                                 "sequence's own tokens and takes no 'model'")
+            options["speculative_method"] = method
+            lo, hi = spec.pop("prompt_lookup_min", None), spec.pop("prompt_lookup_max", None)
+            if lo is not None or hi is not None:
+                options["prompt_lookup_min"] = lo if lo is not None else hi
+                options["prompt_lookup_max"] = hi if hi is not None else lo
         if "model" in spec:
             if draft is not None:
                 raise ValueError("give the draft once: draft= (jspec) or "
@@ -93,11 +105,12 @@ def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
                                  f"speculative_config['num_speculative_tokens']={n} disagree")
             num_speculative_tokens = n
         if spec:
+            extra = ", prompt_lookup_min, prompt_lookup_max" if method == "ngram" else ""
             raise ValueError(f"speculative_config key {sorted(spec)[0]!r} is not supported; "
-                             "supported: model, num_speculative_tokens, method")
+                             f"supported: model, num_speculative_tokens, method{extra}")
     if num_speculative_tokens is None:
         num_speculative_tokens = EngineConfig.num_speculative_tokens  # the config's default
-    return target, draft, num_speculative_tokens
+    return target, draft, num_speculative_tokens, options
 
 
 def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
@@ -130,6 +143,8 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         if draft is not None and not (isinstance(draft, (list, tuple)) and not draft):
             raise ValueError("a draft was given without a target; give both or neither")
         target, draft = default_pair()
+        if config.speculative_method != "draft_model":
+            draft = None  # a lookup drafts: only the built-in target loads
         from jspec.policies import make_policy
 
         probe = policy_obj or make_policy(config.policy, config.num_speculative_tokens,
@@ -237,6 +252,7 @@ class LLM:
     >>> llm = LLM(target="7b", draft=["0.5b", "1.5b"], policy="specrouter")  # a pool: chains
     >>> llm = LLM(model="7b", speculative_config={"model": "0.5b",      # vLLM's spelling
     ...                                           "num_speculative_tokens": 4})
+    >>> llm = LLM(target="7b", speculative_method="ngram")  # prompt lookup, no draft model
 
     ``draft`` may be a list of checkpoint directories sharing the target's vocabulary: a pool
     from which SpecRouter (``policy="specrouter"``) picks chains such as small -> mid -> target;
@@ -250,7 +266,8 @@ class LLM:
     Engine options (``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``,
     ``enable_prefix_caching``, ``async_scheduling``, ``deterministic``, ``dtype``, ``seed``,
-    ``policy_options``, ``warmup``, ``tensor_parallel_size``) are those of ``EngineConfig``. The warm-up compiles every shape
+    ``policy_options``, ``warmup``, ``tensor_parallel_size``, ``speculative_method``,
+    ``prompt_lookup_min``, ``prompt_lookup_max``) are those of ``EngineConfig``. The warm-up compiles every shape
     bucket of these options (or loads them from the compilation cache) with a progress bar on
     stderr, which ``use_tqdm=False`` turns off; after it no prompt count, prompt length or
     sampling option compiles anything.
@@ -266,8 +283,13 @@ class LLM:
                  **engine_kwargs: Any):
         from jspec.warmup import warmup
 
-        target, draft, num_speculative_tokens = _from_vllm_spelling(
+        target, draft, num_speculative_tokens, spec_options = _from_vllm_spelling(
             target, draft, model, speculative_config, num_speculative_tokens)
+        for name, value in spec_options.items():
+            if name in engine_kwargs and engine_kwargs[name] != value:
+                raise ValueError(f"{name}={engine_kwargs[name]!r} and speculative_config's "
+                                 f"{value!r} disagree")
+        engine_kwargs.update(spec_options)
         warm = engine_kwargs.pop("warmup", EngineConfig.warmup)
         self.engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy,
                                    num_speculative_tokens=num_speculative_tokens, dtype=dtype,

@@ -140,12 +140,15 @@ class LoadedModel:
 class CompileSpec:
     """What the policy needs compiled: the γ buckets, the per-position signals it reads
     (``Policy.signals``), whether the draft loop computes its stop statistics
-    (``Policy.wants_draft_stats``) and the chains it may play (``Policy.possible_chains``)."""
+    (``Policy.wants_draft_stats``), the chains of pool models it may play
+    (``Policy.possible_chains``), and whether a drafter without a distribution (a lookup) may
+    draft: its steps verify with a one-hot q (``sampler.rejection_sample``)."""
 
     gamma_buckets: tuple[int, ...] = (0,)
     signals: tuple[str, ...] = ()
     draft_stats: bool = False
     chains: frozenset[tuple[int, ...]] = frozenset({(0,)})
+    lookup: bool = False
 
 
 class ModelRunner:
@@ -179,6 +182,7 @@ class ModelRunner:
         self.draft_stats = bool(spec.draft_stats)
         # the chains the policy may play: what gets compiled
         self.chains = frozenset(c for c in spec.chains if c) if self.pool else frozenset()
+        self.lookup = bool(spec.lookup)
         # the target's forwards in batch-invariant numerics (EngineConfig.deterministic): what
         # greedy equality with plain decoding needs; the drafts only propose, so they keep the
         # cheaper batch-dependent arithmetic
@@ -393,8 +397,10 @@ class ModelRunner:
         return self._executable(("verify", num_tokens, num_seqs, gamma, segmented, decode_only),
                                 self.target, build)
 
-    def verify_accept_executable(self, num_seqs: int, gamma: int, segmented: bool = False):
-        """A decode-only step (num_seqs * (1 + γ) tokens): forward and sampling in one call."""
+    def verify_accept_executable(self, num_seqs: int, gamma: int, segmented: bool = False,
+                                 lookup: bool = False):
+        """A decode-only step (num_seqs * (1 + γ) tokens): forward and sampling in one call.
+        ``lookup``: the drafts come without a distribution (one-hot q)."""
         num_tokens = num_seqs * (1 + gamma)
 
         def build():
@@ -404,44 +410,49 @@ class ModelRunner:
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs)]
             if gamma:
-                specs.append(self._drafts_spec(num_seqs, gamma))
+                specs.append(self._drafts_spec(num_seqs, gamma, lookup))
             else:  # the previous step's tokens and where they go (asynchronous scheduling)
                 specs.append(device_steps.Carried(self._sds((num_seqs, 1), jnp.int32),
                                                   self._sds((num_seqs,), jnp.int32)))
             return self._compile(fn, specs, donate_kv=True)
 
-        return self._executable(("verify_accept", num_seqs, gamma, segmented), self.target,
-                                build)
+        key = ("verify_accept", num_seqs, gamma, segmented) + (("lookup",) if lookup else ())
+        return self._executable(key, self.target, build)
 
     def _target_options(self, max_q_len: int | None) -> device_steps.StepOptions:
         return device_steps.StepOptions(self.target.cfg, self._attention(max_q_len, target=True),
                                         mesh=self.mesh, batch_invariant=self.batch_invariant)
 
-    def _drafts_spec(self, num_seqs: int, gamma: int) -> device_steps.Drafts:
+    def _drafts_spec(self, num_seqs: int, gamma: int, lookup: bool = False
+                     ) -> device_steps.Drafts:
         i32 = jnp.int32
         return device_steps.Drafts(
             tokens=self._sds((num_seqs, gamma), i32), slots=self._sds((num_seqs, gamma), i32),
-            logits=self._sds((num_seqs, gamma, self.target.cfg.vocab_size), jnp.float32),
+            logits=None if lookup else self._sds((num_seqs, gamma, self.target.cfg.vocab_size),
+                                                 jnp.float32),
             num_drafted=self._sds((num_seqs,), i32))
 
-    def accept_executable(self, num_seqs: int, gamma: int):
-        """Rejection sampling (γ > 0) or plain sampling (γ = 0) of the verify logits."""
+    def accept_executable(self, num_seqs: int, gamma: int, lookup: bool = False):
+        """Rejection sampling (γ > 0) or plain sampling (γ = 0) of the verify logits;
+        ``lookup``: of drafts without a distribution (one-hot q)."""
         def build():
             vocab = self.target.cfg.vocab_size
             logits = self._sds((num_seqs * (gamma + 1), vocab), jnp.float32)
             if not gamma:
                 return self._compile(sample_tokens, (logits, self._sampling_spec(num_seqs)))
+            draft_logits = None if lookup else self._sds((num_seqs, gamma, vocab), jnp.float32)
             specs = (
                 logits,
-                self._sds((num_seqs, gamma, vocab), jnp.float32),
+                draft_logits,
                 self._sds((num_seqs, gamma), jnp.int32),
                 self._sds((num_seqs,), jnp.int32),
                 self._sampling_spec(num_seqs),
             )
             return self._compile(rejection_sample, specs)
 
-        return self._executable(("accept", num_seqs, gamma, self.target.cfg.vocab_size), None,
-                                build)
+        key = ("accept", num_seqs, gamma, self.target.cfg.vocab_size) + (
+            ("lookup",) if lookup and gamma else ())
+        return self._executable(key, None, build)
 
     @property
     def logprobs_width(self) -> int:
@@ -562,7 +573,8 @@ class ModelRunner:
         ``feed``: the step's ``device_steps.Drafts`` (γ > 0), or at γ = 0 the previous step's
         tokens (``device_steps.Carried``) or None (every row feeds the host's token)."""
         num_seqs = batch.attn.kv_lens.shape[0]
-        exe = self.verify_accept_executable(num_seqs, gamma, self._segmented)
+        lookup = isinstance(feed, device_steps.Drafts) and feed.logits is None
+        exe = self.verify_accept_executable(num_seqs, gamma, self._segmented, lookup)
         if feed is None:
             feed = self._no_carry(num_seqs)
         result, logits, self.target_kv = exe(self.target.params, self.target_kv, batch, st,
@@ -578,7 +590,7 @@ class ModelRunner:
 
     def run_accept(self, logits, draft_logits, draft_tokens, num_drafted, st: SamplingTensors,
                    gamma: int) -> VerifyResult:
-        exe = self.accept_executable(st.temperature.shape[0], gamma)
+        exe = self.accept_executable(st.temperature.shape[0], gamma, draft_logits is None)
         if not gamma:
             return exe(logits, st)
         return exe(logits, draft_logits, draft_tokens, num_drafted, st)
@@ -772,7 +784,8 @@ class ModelRunner:
         the decode-only steps of row buckets that steps of at most that many sequences use.
 
         Decode-only steps: per (row bucket s, γ bucket g) one verify-and-sample of s * (1 + g)
-        tokens, the draft loop (g > 0) and the policy's signals if it reads any. Steps that
+        tokens (for g > 0 one per kind of draft: a pool model's, with its distribution, and a
+        lookup's, one-hot), the draft loop (g > 0) and the policy's signals if it reads any. Steps that
         carry prefill, at the widest row bucket: a verify per (token bucket t, g) and a
         sampling per g (g = 0 only when one sequence runs at a time). Draft catch-up: two
         widths (``catch_up_buckets``) at the widest row bucket. With elastic memory the
@@ -780,7 +793,11 @@ class ModelRunner:
         two-segment pool and the extension's allocation.
         """
         rc = self.rc
-        drafting = [g for g in self.gamma_buckets if g > 0] if self.chains else []
+        drafting = ([g for g in self.gamma_buckets if g > 0]
+                    if self.chains or self.lookup else [])
+        # the verifications of drafts with a distribution (pool models) and without (lookups)
+        dist = drafting if self.chains else []
+        onehot = drafting if self.lookup else []
         gammas = [0] + drafting
         widest = rc.seq_buckets[-1]
         rows = rc.seq_buckets
@@ -788,7 +805,9 @@ class ModelRunner:
             rows = [b for b in rows if b <= rc.seq_bucket(max_rows)]
         plan = []
         for s in rows:
-            plan += [("verify_accept", s, g) for g in gammas]
+            plan += [("verify_accept", s, 0)]
+            plan += [("verify_accept", s, g, False, True) for g in onehot]
+            plan += [("verify_accept", s, g) for g in dist]
             plan += [("draft", s, g, m) for g in drafting for m in self.drafters]
             plan += [("intermediate", s, g, m) for g in drafting for m in self.intermediates]
             if self.signals:
@@ -798,7 +817,10 @@ class ModelRunner:
         # prefill next to a drafting sequence needs two sequences at least
         mixed = gammas if rc.engine.max_num_seqs >= 2 else [0]
         plan += [("verify", t, widest, g) for g in mixed for t in rc.token_buckets]
-        plan += [("accept", widest, g) for g in mixed]
+        plan += [("accept", widest, 0)]
+        if rc.engine.max_num_seqs >= 2:
+            plan += [("accept", widest, g) for g in dist]
+            plan += [("accept", widest, g, True) for g in onehot]
         if drafting:
             plan += [("catch_up", t, m) for m in sorted({m for c in self.chains for m in c})
                      for t in self.catch_up_buckets]

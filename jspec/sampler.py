@@ -12,7 +12,7 @@ probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection the emitted toke
 norm(max(0, p_j - q_j)); if every drafted token is accepted the bonus token is sampled from
 p_{γ+1}. p and q are the *processed* distributions (temperature, top-k, top-p applied to both).
 Greedy rows use one-hot distributions: accept iff x_j == argmax p_j, emit argmax p at the first
-mismatch (or as the bonus).
+mismatch (or as the bonus). A draft with no distribution (a lookup) has a one-hot q on its token.
 """
 
 from __future__ import annotations
@@ -215,7 +215,10 @@ def rejection_sample(
     streams: tuple[int, int] = (1, 2),
 ) -> VerifyResult:
     """target_logits [S, G+1, V] (or the verify forward's flat [S*(G+1), V]); draft_logits
-    [S, G, V]; draft_tokens [S, G]; num_drafted [S].
+    [S, G, V], or None for drafts that come without a distribution (a lookup: n-gram, suffix),
+    whose q is one-hot on the drafted token: x_j is accepted with probability p_j(x_j), and at
+    the first rejection the token is drawn from p_j with x_j removed and renormalised (the
+    general rule with q = δ_x); draft_tokens [S, G]; num_drafted [S].
 
     ``streams``: the random streams (``row_uniforms``) of the acceptance tests and of the final
     draw. An intermediate level of a chain verifies with streams of its own, so its decisions
@@ -245,17 +248,26 @@ def rejection_sample(
     # ---- random rows (only computed when some row samples)
     def random_rows(_):
         logp = processed_logprobs(target_logits, st)  # [S, G+1, V]
-        logq = processed_logprobs(draft_logits, st)  # [S, G, V]
         p_tok = jnp.take_along_axis(logp[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]
-        q_tok = jnp.take_along_axis(logq, draft_tokens[..., None], axis=-1)[..., 0]
+        if draft_logits is None:  # a draft without a distribution: q is one-hot on x_j
+            q_tok = jnp.zeros_like(p_tok)
+        else:
+            logq = processed_logprobs(draft_logits, st)  # [S, G, V]
+            q_tok = jnp.take_along_axis(logq, draft_tokens[..., None], axis=-1)[..., 0]
         uniforms = row_uniforms(st, stream=streams[0], count=gamma)
         final_u = row_uniforms(st, stream=streams[1], count=1)[:, 0]
         # accept iff u * q <= p  (i.e. u <= p/q), computed in log space
         ok = (jnp.log(uniforms) + q_tok <= p_tok) & drafted
         n = first_false(ok)
         p_n = jnp.exp(jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0])  # [S, V]
-        q_pad = jnp.concatenate([jnp.exp(logq), jnp.zeros((num_rows, 1, vocab))], axis=1)
-        q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
+        if draft_logits is None:
+            # max(0, p − δ_x) is p with the rejected token x removed (p(x) ≤ 1)
+            pad = jnp.concatenate([draft_tokens, jnp.full((num_rows, 1), -1, jnp.int32)], axis=1)
+            x_n = jnp.take_along_axis(pad, n[:, None], axis=1)
+            q_n = (jnp.arange(vocab)[None, :] == x_n).astype(p_n.dtype)
+        else:
+            q_pad = jnp.concatenate([jnp.exp(logq), jnp.zeros((num_rows, 1, vocab))], axis=1)
+            q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
         rejected = (n < num_drafted)[:, None]
         residual = jnp.where(rejected, jnp.maximum(p_n - q_n, 0.0), p_n)
         # p == q exactly leaves no residual mass; then sampling from p is the right limit

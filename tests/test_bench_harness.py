@@ -366,6 +366,17 @@ def test_real_workloads():
     assert sg[0].text == "How to stop automatic updates from the WSUS Server to a target machine"
 
 
+def test_spec_bench_categories():
+    from jspec.bench import workloads as wl
+
+    prompts = wl.load_workload("spec-bench")
+    grounded = wl.of_categories(prompts, ["summarization", "rag"])
+    assert len(grounded) == 160 and {p.category for p in grounded} == {"summarization", "rag"}
+    with pytest.raises(ValueError, match="no prompts of category 'sumarization'; the "
+                                         "workload's categories: coding, extraction"):
+        wl.of_categories(prompts, ["sumarization"])
+
+
 def test_code_workload_and_default_dir(monkeypatch):
     code = W.load_code(3)
     assert len(code) == 3 and all(p.text.startswith("def ") for p in code)
@@ -669,6 +680,24 @@ def test_serving_async_scheduling_both(tiny_pair, tmp_path):
     assert on["metrics"]["num_async_steps"] > 0 and off["metrics"]["num_async_steps"] == 0
     assert on["metrics"]["total_output_tokens"] == off["metrics"]["total_output_tokens"] == 36
     assert res["config"]["async_scheduling"] is True
+
+
+def test_serving_compares_the_draft_model_with_prompt_lookup(tiny_pair, tmp_path):
+    """drafter=ngram in a policy spec: that run's engine drafts by lookup, with no draft."""
+    from jspec.bench import serving
+
+    out = tmp_path / "ngram.json"
+    args = tiny_serving_args(
+        tiny_pair, "--policy", "static:gamma=3", "static:gamma=3,drafter=ngram",
+        "--arrivals", "batch", "--num-requests", "3", "--max-tokens", "12", "--out", str(out),
+        "--no-progress")
+    assert serving.run(args) == 0
+    model, lookup = json.loads(out.read_text())["runs"]
+    assert (model["label"], lookup["label"]) == ("static γ=3", "static γ=3 ngram")
+    assert lookup["engine_options"] == {"speculative_method": "ngram"}
+    assert model["metrics"]["total_output_tokens"] == lookup["metrics"]["total_output_tokens"]
+    with pytest.raises(ValueError, match="drafter must be one of draft_model, ngram, got 'x'"):
+        serving.parse_policies(["static:drafter=x"], [], 4)
 
 
 def test_serving_rounds_palindrome_and_means(tiny_pair, tmp_path, capsys):

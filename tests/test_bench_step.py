@@ -34,6 +34,16 @@ def test_measure_decode_replays_the_step_it_timed(static_engine):
     assert not engine.time_stages and not engine.has_unfinished_requests()
 
 
+def test_measure_decode_times_the_lookup_as_the_draft(engine_models):
+    """With n-gram lookup the draft stage is the host lookup, replayed on the same sequences."""
+    target, _, _ = engine_models
+    engine = make_engine(target, None, policy=make_policy("static", 7, gamma=3), warmup=False,
+                         speculative_method="ngram", prompt_lookup_min=1)
+    row = measure_decode(engine, batch=3, context=10, steps=3)
+    assert row["gamma"] == 4 and row["draft_ms"] > 0
+    assert engine.metrics.catch_up_tokens == 0  # nothing to catch up: no draft model
+
+
 def test_measure_prefill_counts_the_engine_chunks(static_engine):
     engine = static_engine
     budget = engine.rc.max_num_batched_tokens  # 64 in the test shapes

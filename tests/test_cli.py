@@ -140,6 +140,22 @@ def test_target_without_draft_is_plain_decoding(capsys, tiny_pair):
     assert summary.group(5) == "0"  # nothing drafted
 
 
+def test_ngram_drafts_without_a_draft_model(capsys, tiny_pair):
+    prompt = "one two three one two three one two"
+    code, out, err = run_cli(capsys, "--target", tiny_pair[0], *llm_cli_args(),
+                             "--speculative-method", "ngram", "--prompt-lookup-min", "1",
+                             "--prompt", prompt, "--max-tokens", "12", "--ignore-eos",
+                             "--no-progress")
+    assert code == 0, err
+    assert "the target, drafting by n-gram lookup (no draft model)" in err
+    (summary,) = summaries(out)
+    assert int(summary.group(5)) > 0  # drafted by lookup
+    code, _, err = run_cli(capsys, "--target", tiny_pair[0], "--draft", tiny_pair[1],
+                           "--speculative-method", "ngram", "--no-progress")
+    assert code == 2 and "error: --speculative-method ngram drafts by lookup and takes no " \
+                         "--draft" in err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),

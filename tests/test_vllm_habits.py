@@ -74,7 +74,16 @@ def test_engine_options_are_checked_by_name():
         _from_vllm_spelling(None, None, "m", {"num_speculative_tokens": 3}, 5)
     with pytest.raises(ValueError, match="key 'prompt_lookup_max' is not supported"):
         _from_vllm_spelling(None, None, "m", {"prompt_lookup_max": 3}, None)
-    assert _from_vllm_spelling(None, None, "m", {"model": "d"}, None) == ("m", "d", 4)
+    assert _from_vllm_spelling(None, None, "m", {"model": "d"}, None) == ("m", "d", 4, {})
+    # prompt lookup: vLLM's keys; one bound given sets both, as vLLM does
+    assert _from_vllm_spelling(None, None, "m", {"method": "ngram", "num_speculative_tokens": 5,
+                                                 "prompt_lookup_max": 3}, None) == (
+        "m", None, 5, {"speculative_method": "ngram", "prompt_lookup_min": 3,
+                       "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="'ngram' drafts by lookup .* takes no 'model'"):
+        _from_vllm_spelling(None, None, "m", {"method": "ngram", "model": "d"}, None)
+    with pytest.raises(ValueError, match="key 'x' is not supported; .*prompt_lookup_max"):
+        _from_vllm_spelling(None, None, "m", {"method": "ngram", "x": 1}, None)
 
 
 def test_progress_reports_this_call_not_the_engines_lifetime(tiny_llm):

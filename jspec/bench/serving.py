@@ -88,6 +88,7 @@ from typing import Any
 from jspec.bench import arrivals as arr
 from jspec.bench import workloads as wl
 from jspec.cli_common import add_tensor_parallel_argument
+from jspec.config import SPECULATIVE_METHODS
 from jspec.bench.serving_metrics import (RequestRecord, StepRecords, compute_metrics,
                                          gamma_by_batch, summarize, time_series, turn_metrics)
 
@@ -167,7 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pol = p.add_argument_group("policies")
     pol.add_argument("--policy", nargs="+", default=["static"], metavar="NAME[:K=V,...]",
                      help="policies to run one after another on the same requests, e.g. "
-                          "off static:gamma=2 nightjar (default: static)")
+                          "off static:gamma=2 nightjar; drafter=ngram drafts by prompt lookup "
+                          "instead of the draft model (static:gamma=4,drafter=ngram) "
+                          "(default: static)")
     pol.add_argument("--rounds", type=int, default=1, metavar="N",
                      help="run the policy list N times, every other round in reverse order "
                           "(A B C C B A ...), and compare the policies on their means over "
@@ -183,6 +186,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="prompt source (default: %(default)s); multiturn: conversations, "
                            "each user turn sent when the previous one's answer has streamed "
                            "back, its prompt the whole conversation so far (see --turns)")
+    work.add_argument("--category", metavar="NAME[,NAME...]", default=None,
+                      help="only the workload's prompts of these categories (Spec-Bench: "
+                           "summarization and rag are input-grounded; translation, qa, "
+                           "math_reasoning and the MT-Bench ten are not)")
     work.add_argument("--workload-file", metavar="PATH",
                       help="the workload's data file (default: the shared data directory's)")
     work.add_argument("--max-tokens", type=int, default=128,
@@ -291,14 +298,20 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
             if not sep or not key.strip():
                 raise ValueError(f"--policy {spec!r}: options are KEY=VALUE pairs after ':'")
             opts[key.strip().replace("-", "_")] = parse_option_value(value)
+        # drafter=ngram: the run's engine drafts by prompt lookup (no draft model)
+        drafter = opts.pop("drafter", "draft_model")
+        if drafter not in SPECULATIVE_METHODS:
+            raise ValueError(f"--policy {spec!r}: drafter must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {drafter!r}")
+        engine = {} if drafter == "draft_model" else {"speculative_method": drafter}
         make_policy(name, max_gamma, **opts)  # name and options, before anything loads
         label = name + ("" if not opts else " " + " ".join(
             f"{'γ' if k == 'gamma' else k}={os.path.basename(str(v))}" for k, v in
-            sorted(opts.items())))
+            sorted(opts.items()))) + (f" {drafter}" if engine else "")
         labels[label] = labels.get(label, 0) + 1
         if labels[label] > 1:
             label = f"{label} #{labels[label]}"
-        runs.append({"label": label, "name": name, "options": opts, "engine": {}})
+        runs.append({"label": label, "name": name, "options": opts, "engine": engine})
     return runs
 
 
@@ -625,9 +638,11 @@ def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
 
         target, draft = synthetic_models(args.synthetic, resolve_dtype(engine_kwargs["dtype"]))
         tokenizer = default_pair()[0]
+    options = {**engine_kwargs, **policy.get("engine", {})}
+    if options.get("speculative_method", "draft_model") != "draft_model":
+        draft = None  # a lookup drafts: the target alone
     engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy["name"],
-                          policy_options=policy["options"], warmup=False,
-                          **{**engine_kwargs, **policy.get("engine", {})})
+                          policy_options=policy["options"], warmup=False, **options)
     acceptance = getattr(args, "synthetic_acceptance", None)
     if acceptance is not None:
         from jspec.synthetic import install
@@ -1105,6 +1120,11 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
     turns = args.turns or wl.DEFAULT_TURNS
     prompts = (wl.load_conversations(args.workload_file, turns) if multiturn
                else wl.load_workload(args.workload, args.workload_file))
+    if args.category:
+        if multiturn:
+            raise ValueError("--category picks prompts of a workload's categories; the "
+                             "multiturn workload has none")
+        prompts = wl.of_categories(prompts, args.category.split(","))
     if args.plot:
         from jspec.bench.plots import require_matplotlib
 
@@ -1317,6 +1337,7 @@ def workload_description(args: argparse.Namespace, plan: BenchPlan,
     return {"name": args.workload,
             "path": None if args.workload == "code" else
             str(args.workload_file or wl.default_path(args.workload)),
+            "categories": args.category.split(",") if args.category else None,
             "pool_size": len(plan.prompts), "max_tokens": args.max_tokens,
             "max_prompt_tokens": args.max_prompt_tokens,
             "context_scale": args.context_scale,

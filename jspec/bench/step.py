@@ -8,7 +8,8 @@ sequence past its prompt) and the benchmark prints, per step:
   the device work of the step before it);
 * ``fwd``: the bare target forward over the very ragged batch the engine verified (its compiled
   executable replayed on the same inputs right after the step);
-* ``draft``: the bare draft loop on the same inputs (0 at γ = 0);
+* ``draft``: the bare draft loop on the same inputs, or with ``--speculative-method ngram``
+  the host lookup over the same sequences (0 at γ = 0);
 * ``step / (fwd + draft)``: the engine's own overhead as a ratio (1.00 = none);
 * the share of each stage (``jspec.policies.base.STAGES``) in a second pass whose device stages are
   synced (``LLMEngine.time_stages``, which also commits every step before the next), so the
@@ -31,6 +32,12 @@ import time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target checkpoint (default: built-in pair)")
     p.add_argument("--draft", default=None, help="draft checkpoint")
+    from jspec.config import SPECULATIVE_METHODS
+
+    p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
+                   default="draft_model",
+                   help="what drafts: the draft model, or n-gram lookup (no draft model; its "
+                        "lookup is the 'draft' column)")
     p.add_argument("--synthetic", metavar="SHAPE", default=None,
                    help="random-weight models of this shape instead (e.g. qwen2.5-0.5b)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -87,7 +94,8 @@ def _engine(args, gamma: int, max_num_seqs: int, max_model_len: int | None):
 
     policy = {"name": "static", "options": {"gamma": gamma}}
     kwargs = {"num_speculative_tokens": max(args.gammas), "max_num_seqs": max_num_seqs,
-              "dtype": args.dtype, "async_scheduling": args.async_scheduling}
+              "dtype": args.dtype, "async_scheduling": args.async_scheduling,
+              "speculative_method": args.speculative_method}
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     return make_engine(args, policy, kwargs)
@@ -192,7 +200,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch-sizes must be >= 1, --gammas >= 0, --steps >= 1")
     if args.context < 1:
         raise ValueError(f"--context must be >= 1, got {args.context}")
-    if (args.target is None) != (args.draft is None):
+    if args.speculative_method == "ngram":
+        if args.draft is not None:
+            raise ValueError("--speculative-method ngram drafts by lookup and takes no --draft")
+    elif (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither for the built-in pair")
     if args.synthetic is not None:
         from jspec.synthetic import check_shape
@@ -245,8 +256,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _describe(args) -> str:
+    lookup = args.speculative_method == "ngram"
     if args.synthetic:
-        return f"synthetic {args.synthetic} (random weights)"
+        return f"synthetic {args.synthetic} (random weights)" + (", n-gram lookup" if lookup
+                                                                  else "")
+    if lookup:
+        return f"{args.target or 'the built-in target'}, drafting by n-gram lookup"
     if args.target:
         return f"{args.target} + {args.draft}"
     return "the built-in default pair"

@@ -316,6 +316,17 @@ def load_workload(name: str, path: str | os.PathLike | None = None) -> list[Prom
     return loaders[name](path)
 
 
+def of_categories(prompts: list[Prompt], categories: Sequence[str]) -> list[Prompt]:
+    """The prompts of the given categories (Spec-Bench's, say); an unknown one is an error that
+    lists those there are."""
+    known = sorted({p.category for p in prompts})
+    unknown = [c for c in categories if c not in known]
+    if unknown:
+        raise ValueError(f"no prompts of category {unknown[0]!r}; the workload's categories: "
+                         f"{', '.join(known)}")
+    return [p for p in prompts if p.category in set(categories)]
+
+
 def sample_order(pool_size: int, n: int, seed: int) -> np.ndarray:
     """n indices into a pool: consecutive seeded permutations, so every prompt is used once
     before any repeats."""

@@ -1,0 +1,190 @@
+"""Prompt lookup (``speculative_method="ngram"``): the lookup itself, the one-hot rejection
+rule for drafts without a distribution, and the engine drafting with it losslessly."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ENGINE_VOCAB, make_engine, run_to_completion
+from test_sampling import _exact_two_token_marginals, _sampling_tensors, chi2_rejects
+from jspec.proposers import ngram_lookup
+from jspec.runner import LoadedModel
+from jspec.sampler import processed_logprobs, rejection_sample
+from jspec.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+CYCLE = 6  # the repeating target's greedy output cycles through groups of this many tokens
+
+
+def _brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """The definition: for n from n_max down to n_min, the latest start s < len - n whose n
+    tokens equal the last n; what follows it, up to k tokens."""
+    length = len(tokens)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = tokens[length - n:]
+        for s in range(length - n - 1, -1, -1):
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=0, max_size=40),
+       n_min=st.integers(1, 3), extra=st.integers(0, 3), k=st.integers(0, 6))
+def test_lookup_matches_its_definition(tokens, n_min, extra, k):
+    got = ngram_lookup(np.array(tokens, np.int32), n_min, n_min + extra, k)
+    want = _brute_force(tokens, n_min, n_min + extra, k) if k else []
+    assert got.tolist() == want
+
+
+def test_lookup_prefers_the_longest_suffix_then_the_latest_occurrence():
+    t = np.array([1, 2, 3, 9, 7, 3, 8, 5, 2, 3], np.int32)
+    # "2 3" occurred at 1-2 (followed by 9); "3" alone most recently at 5 (followed by 8)
+    assert ngram_lookup(t, 1, 3, 2).tolist() == [9, 7]
+    assert ngram_lookup(t, 1, 1, 2).tolist() == [8, 5]
+    # a repeating tail drafts its own continuation, running into the sequence's end
+    t = np.array([4, 5, 6, 4, 5, 6, 4, 5], np.int32)
+    assert ngram_lookup(t, 2, 2, 5).tolist() == [6, 4, 5]
+    assert ngram_lookup(np.array([1, 2, 3], np.int32), 1, 4, 3).tolist() == []
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.3, 8, 0.95)])
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_one_hot_rule_keeps_the_target_distribution(temperature, top_k, top_p, gamma):
+    """Drafts with no distribution (draft_logits None): x is accepted with probability p(x),
+    else the token comes from p without x. Whatever the drafted tokens, the first emitted token
+    follows p; a 2% shift is detected."""
+    vocab, rows = 12, 40_000
+    rng = np.random.default_rng(10 + gamma)
+    p_logits = rng.normal(0, 1.0, (gamma + 1, vocab)).astype(np.float32)
+    st_ = _sampling_tensors(rows, temperature, top_k, top_p)
+    p_proc = np.exp(np.asarray(processed_logprobs(jnp.asarray(p_logits)[None], st_)[0]))
+    # drafts from an arbitrary distribution unrelated to p: a lookup's tokens
+    draft_tokens = rng.choice(vocab, (rows, gamma), p=np.linspace(1, 3, vocab) / 24)
+    result = jax.jit(rejection_sample)(
+        jnp.broadcast_to(p_logits, (rows, gamma + 1, vocab)), None,
+        jnp.asarray(draft_tokens, jnp.int32), jnp.full((rows,), gamma, jnp.int32), st_)
+    first = np.asarray(result.tokens[:, 0])
+    target = p_proc[0] / p_proc[0].sum()
+    counts = np.bincount(first, minlength=vocab)
+    assert not chi2_rejects(counts, target)
+    accepted = np.asarray(result.num_accepted)
+    assert 0.02 < (accepted > 0).mean() < 0.98  # both paths run
+    # a rejected token is never the one drawn in its place
+    rejected = accepted == 0
+    assert not (first[rejected] == draft_tokens[rejected, 0]).any()
+    shifted = target.copy()
+    top = np.argsort(target)[::-1]
+    shifted[top[0]] -= 0.02
+    shifted[top[1]] += 0.02
+    assert chi2_rejects(counts, shifted)
+
+
+@pytest.fixture(scope="module")
+def repeating_target(engine_models):
+    """The tiny target made to repeat itself, as input-grounded text does: its layers write
+    little into the residual stream, and its head maps each token to the next one of a cycle of
+    CYCLE tokens, so greedy output cycles and a lookup drafts it (its sampled output mostly
+    follows the cycle too; acceptance is high but not 1)."""
+    target, _, _ = engine_models
+    params = jax.tree_util.tree_map(np.asarray, target.params)
+    layers = dict(params["layers"])
+    layers["wo"] = layers["wo"] * 0.05
+    layers["w_down"] = layers["w_down"] * 0.05
+    embed = params["embed"]
+    nxt = np.arange(ENGINE_VOCAB)
+    nxt = nxt - nxt % CYCLE + (nxt % CYCLE + 1) % CYCLE  # next token in its group of CYCLE
+    nxt = np.minimum(nxt, ENGINE_VOCAB - 1)
+    head = np.zeros_like(params["lm_head"])
+    unit = embed / np.linalg.norm(embed, axis=1, keepdims=True)
+    np.add.at(head.T, nxt, unit)
+    head += 0.1 * np.random.default_rng(3).standard_normal(head.shape).astype(head.dtype)
+    params = dict(params, layers=layers, lm_head=head)
+    return LoadedModel(target.cfg, jax.tree_util.tree_map(jnp.asarray, params), "repeating")
+
+
+def _prompts():
+    rng = np.random.default_rng(11)
+    out = [rng.integers(3, ENGINE_VOCAB, n).tolist() for n in (3, 9, 17, 30, 64, 5, 12, 48)]
+    out[1] = [12, 13, 14, 15, 16, 17] * 3  # a prompt that already cycles
+    return out
+
+
+@pytest.fixture(scope="module")
+def repeating_reference(repeating_target):
+    engine = make_engine(repeating_target, None)
+    outs = run_to_completion(engine, _prompts(), GREEDY)
+    return [outs[str(i)].token_ids for i in range(len(outs))]
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # asynchronous scheduling and prefix caching on (the defaults)
+    {"async_scheduling": False, "enable_prefix_caching": False, "prompt_lookup_min": 1},
+    {"num_kv_blocks": 14},  # too few blocks for every sequence: preemption and recompute
+], ids=["defaults", "sync-no-cache", "preemption"])
+def test_greedy_lookup_equals_target_only(repeating_target, repeating_reference, overrides):
+    engine = make_engine(repeating_target, None, speculative_method="ngram", **overrides)
+    compiled = engine.runner.num_compiled  # after the warm-up
+    outs = run_to_completion(engine, _prompts(), GREEDY)
+    for i, ref in enumerate(repeating_reference):
+        assert outs[str(i)].token_ids == ref, f"prompt {i}"
+    m = engine.metrics
+    assert m.spec_decode_num_accepted_tokens > 0.25 * m.spec_decode_num_draft_tokens > 0
+    if "num_kv_blocks" in overrides:
+        assert m.num_preemptions > 0
+    assert engine.block_manager.num_used_blocks == 0
+    assert engine.runner.num_compiled == compiled  # the warm-up compiled every shape it ran
+
+
+def test_sampling_with_lookup_drafts_keeps_the_target_distribution(repeating_target):
+    """Through the engine: the first token (prefill) and the second (a decode step in which
+    the lookup drafts the cycle's next token) follow the target's exact marginals."""
+    prompt = [30, 31, 32, 33, 34, 35, 30, 31]
+    temperature = 1.0
+    p1, p2 = _exact_two_token_marginals(repeating_target, prompt, temperature)
+    n = 1600
+    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True)
+              for i in range(n)]
+    engine = make_engine(repeating_target, None, speculative_method="ngram",
+                         prompt_lookup_min=1)
+    outs = run_to_completion(engine, [prompt] * n, params)
+    tokens = np.array([outs[str(i)].token_ids for i in range(n)])
+    assert not chi2_rejects(np.bincount(tokens[:, 0], minlength=p1.size), p1)
+    assert not chi2_rejects(np.bincount(tokens[:, 1], minlength=p2.size), p2)
+    m = engine.metrics
+    assert 0 < m.spec_decode_num_accepted_tokens < m.spec_decode_num_draft_tokens
+
+
+def test_seeded_sampling_with_lookup_is_reproducible(repeating_target):
+    sp = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=50 + i,
+                         ignore_eos=True) for i in range(6)]
+    prompts = _prompts()[:6]
+    runs = [run_to_completion(make_engine(repeating_target, None, speculative_method="ngram"),
+                              prompts, sp) for _ in range(2)]
+    assert [runs[0][str(i)].token_ids for i in range(6)] == \
+        [runs[1][str(i)].token_ids for i in range(6)]
+
+
+def test_lookup_configuration_errors(engine_models):
+    from jspec.config import EngineConfig
+    from jspec.policies import make_policy
+
+    target, draft, _ = engine_models
+    with pytest.raises(ValueError, match="'ngram' drafts without a draft model, but 1 draft"):
+        make_engine(target, draft, speculative_method="ngram")
+    with pytest.raises(ValueError, match="policy 'dsde' needs the draft distribution's signals"):
+        make_engine(target, None, make_policy("dsde", 7), speculative_method="ngram")
+    with pytest.raises(ValueError, match="policy 'dsd' needs a draft model's step-time profile"):
+        make_engine(target, None, make_policy("dsd", 7), speculative_method="ngram")
+    with pytest.raises(ValueError, match="elastic_memory offloads a draft model"):
+        make_engine(target, None, speculative_method="ngram", elastic_memory=True)
+    with pytest.raises(ValueError, match="1 <= prompt_lookup_min <= prompt_lookup_max, got 3 "
+                                         "and 2"):
+        EngineConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="speculative_method must be one of"):
+        EngineConfig(speculative_method="suffix-tree")
