@@ -48,8 +48,10 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
                            "(default: %(default)s)")
     spec.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                       help="what drafts: draft_model (the draft checkpoint; the built-in "
-                           "pair's without --target) or ngram (prompt lookup in each "
-                           "sequence's own tokens, no draft model) (default: draft_model)")
+                           "pair's without --target), ngram (prompt lookup in each "
+                           "sequence's own tokens) or suffix (suffix decoding over the "
+                           "request's and earlier requests' tokens); the last two run no draft "
+                           "model (default: draft_model)")
     spec.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
                       help="ngram: shortest suffix matched (default: 2)")
     spec.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
@@ -165,8 +167,9 @@ def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.draft is not None and args.target is None:
         raise ValueError("--draft needs --target (give both, or neither for the default pair)")
-    if args.speculative_method == "ngram" and args.draft is not None:
-        raise ValueError("--speculative-method ngram drafts by lookup and takes no --draft")
+    if args.speculative_method in ("ngram", "suffix") and args.draft is not None:
+        raise ValueError(f"--speculative-method {args.speculative_method} drafts by lookup and "
+                         f"takes no --draft")
     policy_options = parse_policy_options(args.policy_option)
     if args.num_speculative_tokens < 0:
         raise ValueError(f"--num-speculative-tokens must be >= 0, got "
@@ -201,9 +204,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def describe_models(args: argparse.Namespace) -> None:
     """One stderr note on which models run when that is not obvious from the flags."""
-    if args.speculative_method == "ngram":
+    if args.speculative_method in ("ngram", "suffix"):
         which = "the built-in target" if args.target is None else "the target"
-        print(f"{which}, drafting by n-gram lookup (no draft model)", file=sys.stderr)
+        how = "n-gram lookup" if args.speculative_method == "ngram" else "suffix decoding"
+        print(f"{which}, drafting by {how} (no draft model)", file=sys.stderr)
     elif args.target is None:
         from jspec.default_models import describe_default_pair
         from jspec.policies import POLICIES

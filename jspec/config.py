@@ -22,12 +22,20 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: max_num_seqs full-length sequences (+ null block)
     kv_cache_memory_bytes: int | None = None  # alternative to num_kv_blocks
     num_speculative_tokens: int = 4  # Γmax: the largest γ any policy may choose
-    # what drafts (vLLM's speculative_config "method"): "draft_model" (the draft models given)
-    # or "ngram" (prompt lookup over each sequence's own tokens, jspec/proposers/ngram.py: no
-    # draft model; the suffix n of [prompt_lookup_min, prompt_lookup_max] tokens is matched)
+    # what drafts (vLLM's speculative_config "method"): "draft_model" (the draft models given),
+    # "ngram" (prompt lookup over each sequence's own tokens, jspec/proposers/ngram.py: no
+    # draft model; the suffix n of [prompt_lookup_min, prompt_lookup_max] tokens is matched) or
+    # "suffix" (suffix decoding, no draft model either)
     speculative_method: str = "draft_model"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # "suffix" (suffix decoding, jspec/proposers/suffix.py; vLLM's option names): the suffix
+    # trees' depth, the draft's length per matched token, the least chained token probability
+    # drafted, and how many requests' outputs the global tree keeps
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 1000
     policy: str = "static"
     policy_options: tuple[tuple[str, Any], ...] = ()
     enable_chunked_prefill: bool = True
@@ -94,6 +102,14 @@ class EngineConfig:
                 or lo > hi:
             raise ValueError(f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{lo!r} and {hi!r}")
+        for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            positive(name)
+        f = self.suffix_decoding_max_spec_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got {f!r}")
+        p = self.suffix_decoding_min_token_prob
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {p!r}")
         if self.dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.kernel_backend not in ("auto", "pallas", "interpret", "reference"):
@@ -127,7 +143,7 @@ class EngineConfig:
 
 
 ELASTIC_POOL_LAYOUTS = ("auto", "segments", "preallocated")
-SPECULATIVE_METHODS = ("draft_model", "ngram")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix")
 
 
 def resolve_elastic_pool_layout(layout: str) -> str:

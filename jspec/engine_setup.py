@@ -45,7 +45,8 @@ def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
 
 
 def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> bool:
-    """Whether the engine drafts by lookup (``speculative_method`` "ngram"), which runs no
+    """Whether the engine drafts by lookup (``speculative_method`` "ngram" or "suffix"), which
+    runs no
     draft model: a draft given beside it, or elastic memory (which offloads a draft model), is
     refused."""
     if config.speculative_method == "draft_model":

@@ -81,9 +81,16 @@ def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
                              f"{type(speculative_config).__name__}")
         spec = dict(speculative_config)
         method = spec.pop("method", None)
-        if method not in (None, "draft_model", "ngram"):
+        if method not in (None, "draft_model", "ngram", "suffix"):
             raise ValueError(f"speculative_config method {method!r} is not supported; "
-                             "supported: 'draft_model', 'ngram'")
+                             "supported: 'draft_model', 'ngram', 'suffix'")
+        if method == "suffix":
+            if "model" in spec:
+                raise ValueError("speculative_config method 'suffix' drafts from suffix trees "
+                                 "and takes no 'model'")
+            options["speculative_method"] = method
+            for key in [k for k in spec if k.startswith("suffix_decoding_")]:
+                options[key] = spec.pop(key)
         if method == "ngram":
             if "model" in spec:
                 raise ValueError("speculative_config method 'ngram' drafts by lookup in the "
@@ -105,7 +112,11 @@ def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
                                  f"speculative_config['num_speculative_tokens']={n} disagree")
             num_speculative_tokens = n
         if spec:
-            extra = ", prompt_lookup_min, prompt_lookup_max" if method == "ngram" else ""
+            extra = {"ngram": ", prompt_lookup_min, prompt_lookup_max",
+                     "suffix": ", suffix_decoding_max_tree_depth, "
+                               "suffix_decoding_max_spec_factor, "
+                               "suffix_decoding_min_token_prob, "
+                               "suffix_decoding_max_cached_requests"}.get(method, "")
             raise ValueError(f"speculative_config key {sorted(spec)[0]!r} is not supported; "
                              f"supported: model, num_speculative_tokens, method{extra}")
     if num_speculative_tokens is None:

@@ -1,5 +1,6 @@
-"""Prompt lookup (``speculative_method="ngram"``): the lookup itself, the one-hot rejection
-rule for drafts without a distribution, and the engine drafting with it losslessly."""
+"""Drafting without a model: prompt lookup (``speculative_method="ngram"``) and suffix decoding
+(``"suffix"``): the lookups themselves, the one-hot rejection rule for drafts without a
+distribution, and the engine drafting with them losslessly."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 from conftest import ENGINE_VOCAB, make_engine, run_to_completion
 from test_sampling import _exact_two_token_marginals, _sampling_tensors, chi2_rejects
-from jspec.proposers import ngram_lookup
+from jspec.proposers import SuffixTree, ngram_lookup
+from jspec.proposers.suffix import sequence_draft
 from jspec.runner import LoadedModel
 from jspec.sampler import processed_logprobs, rejection_sample
 from jspec.sampling_params import SamplingParams
@@ -51,6 +53,103 @@ def test_lookup_prefers_the_longest_suffix_then_the_latest_occurrence():
     t = np.array([4, 5, 6, 4, 5, 6, 4, 5], np.int32)
     assert ngram_lookup(t, 2, 2, 5).tolist() == [6, 4, 5]
     assert ngram_lookup(np.array([1, 2, 3], np.int32), 1, 4, 3).tolist() == []
+
+
+def _substring_counts(seqs, depth):
+    counts = {}
+    for seq in seqs:
+        for i in range(len(seq)):
+            for j in range(i + 1, min(i + depth, len(seq)) + 1):
+                key = tuple(seq[i:j])
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@settings(max_examples=200, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1,
+                     max_size=3),
+       cut=st.integers(0, 30), depth=st.integers(2, 6), k=st.integers(1, 5),
+       factor=st.sampled_from([0.5, 1.0, 2.0]), pmin=st.sampled_from([0.0, 0.3, 0.6]))
+def test_suffix_tree_counts_and_drafts_by_their_definition(seqs, cut, depth, k, factor, pmin):
+    tree = SuffixTree(depth)
+    for seq in seqs:  # the last one in two parts, as a growing request's tree is fed
+        tree.add(seq[:cut])
+        tree.add(seq, min(cut, len(seq)))
+    counts = _substring_counts(seqs, depth)
+
+    def count(path):
+        node = tree.root
+        for t in path:
+            node = node[1].get(t)
+            if node is None:
+                return 0
+        return node[0]
+
+    assert all(count(key) == c for key, c in counts.items())
+    assert sum(len(n[1]) for n in [tree.root]) == len({key[:1] for key in counts})
+    query = seqs[-1]
+    draft, score = tree.draft(query, k, factor, pmin)
+    # the match: the longest suffix of at most depth - k tokens that has a continuation
+    m = next((m for m in range(min(max(depth - k, 1), len(query)), 0, -1)
+              if any(key[:-1] == tuple(query[-m:]) for key in counts)), 0)
+    path, prob, want_score = tuple(query[-m:]), 1.0, 0.0
+    for tok in draft:  # each drafted token is a most frequent continuation, above pmin
+        kids = {key[-1]: c for key, c in counts.items() if key[:-1] == path}
+        assert kids[tok] == max(kids.values())
+        prob *= kids[tok] / sum(kids.values())
+        assert prob >= pmin
+        want_score += prob
+        path += (tok,)
+    assert score == pytest.approx(want_score)
+    if m:  # it stops at its length limit, at the trie's end, or below pmin
+        kids = {key[-1]: c for key, c in counts.items() if key[:-1] == path}
+        assert (len(draft) == min(k, int(factor * m)) or not kids
+                or prob * max(kids.values()) / sum(kids.values()) < pmin)
+    else:
+        assert draft == [] and score == 0
+    for seq in seqs:
+        tree.remove(seq)
+    assert tree.root == [0, {}]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seq=st.lists(st.integers(0, 3), min_size=1, max_size=40), depth=st.integers(2, 8),
+       k=st.integers(1, 5), factor=st.sampled_from([0.5, 1.0, 2.0]),
+       pmin=st.sampled_from([0.0, 0.3, 0.6]))
+def test_a_requests_own_draft_is_its_suffix_trees(seq, depth, k, factor, pmin):
+    """``sequence_draft`` (from the token array) drafts what a suffix tree over the sequence
+    alone drafts."""
+    tree = SuffixTree(depth)
+    tree.add(seq)
+    draft, score = sequence_draft(np.array(seq, np.int32), depth, k, factor, pmin)
+    want, want_score = tree.draft(seq, k, factor, pmin)
+    assert draft == want and score == pytest.approx(want_score)
+
+
+def test_suffix_global_tree_holds_finished_outputs_and_evicts_the_oldest():
+    from jspec.proposers import SuffixProposer
+    from jspec.sequence import Sequence, SequenceStatus
+
+    def seq(rid, prompt, output=()):
+        s = Sequence(rid, list(prompt), None, 0)
+        s.output_token_ids = list(output)
+        return s
+
+    # (propose registers the step's sequences in _running; here they are set directly)
+    prop = SuffixProposer(max_depth=8, max_spec_factor=2.0, min_token_prob=0.1,
+                          max_cached_requests=1, max_num_seqs=4)
+    first = seq("a", [1, 2], [7, 8, 9, 10, 11])
+    prop._running["a"] = first
+    fresh = seq("b", [5, 6, 7, 8])  # its own tokens never continue "7 8"
+    assert prop._draft(fresh, 3) == []  # a is still running: not in the global tree
+    first.status = SequenceStatus.FINISHED_STOPPED
+    prop._retire_finished()
+    assert prop._draft(fresh, 3) == [9, 10, 11]  # from a's output
+    second = seq("c", [3], [20, 21, 22])
+    second.status = SequenceStatus.FINISHED_LENGTH
+    prop._running["c"] = second
+    prop._retire_finished()  # one cached request at most: a's output goes
+    assert prop._draft(fresh, 3) == [] and prop._draft(seq("d", [20, 21]), 2) == [22]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.3, 8, 0.95)])
@@ -122,13 +221,16 @@ def repeating_reference(repeating_target):
     return [outs[str(i)].token_ids for i in range(len(outs))]
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("overrides", [
     {},  # asynchronous scheduling and prefix caching on (the defaults)
-    {"async_scheduling": False, "enable_prefix_caching": False, "prompt_lookup_min": 1},
+    {"async_scheduling": False, "enable_prefix_caching": False, "prompt_lookup_min": 1,
+     "suffix_decoding_max_tree_depth": 8},
     {"num_kv_blocks": 14},  # too few blocks for every sequence: preemption and recompute
 ], ids=["defaults", "sync-no-cache", "preemption"])
-def test_greedy_lookup_equals_target_only(repeating_target, repeating_reference, overrides):
-    engine = make_engine(repeating_target, None, speculative_method="ngram", **overrides)
+def test_greedy_lookup_equals_target_only(repeating_target, repeating_reference, overrides,
+                                          method):
+    engine = make_engine(repeating_target, None, speculative_method=method, **overrides)
     compiled = engine.runner.num_compiled  # after the warm-up
     outs = run_to_completion(engine, _prompts(), GREEDY)
     for i, ref in enumerate(repeating_reference):
@@ -141,7 +243,8 @@ def test_greedy_lookup_equals_target_only(repeating_target, repeating_reference,
     assert engine.runner.num_compiled == compiled  # the warm-up compiled every shape it ran
 
 
-def test_sampling_with_lookup_drafts_keeps_the_target_distribution(repeating_target):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_sampling_with_lookup_drafts_keeps_the_target_distribution(repeating_target, method):
     """Through the engine: the first token (prefill) and the second (a decode step in which
     the lookup drafts the cycle's next token) follow the target's exact marginals."""
     prompt = [30, 31, 32, 33, 34, 35, 30, 31]
@@ -150,7 +253,7 @@ def test_sampling_with_lookup_drafts_keeps_the_target_distribution(repeating_tar
     n = 1600
     params = [SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True)
               for i in range(n)]
-    engine = make_engine(repeating_target, None, speculative_method="ngram",
+    engine = make_engine(repeating_target, None, speculative_method=method,
                          prompt_lookup_min=1)
     outs = run_to_completion(engine, [prompt] * n, params)
     tokens = np.array([outs[str(i)].token_ids for i in range(n)])
@@ -188,3 +291,7 @@ def test_lookup_configuration_errors(engine_models):
         EngineConfig(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="speculative_method must be one of"):
         EngineConfig(speculative_method="suffix-tree")
+    with pytest.raises(ValueError, match="suffix_decoding_min_token_prob must be in"):
+        EngineConfig(suffix_decoding_min_token_prob=1.5)
+    with pytest.raises(ValueError, match="'suffix' drafts without a draft model"):
+        make_engine(target, draft, speculative_method="suffix")

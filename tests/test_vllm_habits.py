@@ -82,6 +82,11 @@ def test_engine_options_are_checked_by_name():
                        "prompt_lookup_max": 3})
     with pytest.raises(ValueError, match="'ngram' drafts by lookup .* takes no 'model'"):
         _from_vllm_spelling(None, None, "m", {"method": "ngram", "model": "d"}, None)
+    assert _from_vllm_spelling(None, None, "m", {
+        "method": "suffix", "suffix_decoding_max_tree_depth": 12}, None) == (
+        "m", None, 4, {"speculative_method": "suffix", "suffix_decoding_max_tree_depth": 12})
+    with pytest.raises(ValueError, match="'suffix' drafts from suffix trees and takes no"):
+        _from_vllm_spelling(None, None, "m", {"method": "suffix", "model": "d"}, None)
     with pytest.raises(ValueError, match="key 'x' is not supported; .*prompt_lookup_max"):
         _from_vllm_spelling(None, None, "m", {"method": "ngram", "x": 1}, None)
 

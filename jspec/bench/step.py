@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
                    default="draft_model",
-                   help="what drafts: the draft model, or n-gram lookup (no draft model; its "
-                        "lookup is the 'draft' column)")
+                   help="what drafts: the draft model, or n-gram lookup or suffix decoding "
+                        "(no draft model; the lookup is the 'draft' column)")
     p.add_argument("--synthetic", metavar="SHAPE", default=None,
                    help="random-weight models of this shape instead (e.g. qwen2.5-0.5b)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -200,9 +200,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch-sizes must be >= 1, --gammas >= 0, --steps >= 1")
     if args.context < 1:
         raise ValueError(f"--context must be >= 1, got {args.context}")
-    if args.speculative_method == "ngram":
+    if args.speculative_method != "draft_model":
         if args.draft is not None:
-            raise ValueError("--speculative-method ngram drafts by lookup and takes no --draft")
+            raise ValueError(f"--speculative-method {args.speculative_method} drafts by lookup "
+                             f"and takes no --draft")
     elif (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither for the built-in pair")
     if args.synthetic is not None:
@@ -256,12 +257,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _describe(args) -> str:
-    lookup = args.speculative_method == "ngram"
+    lookup = args.speculative_method != "draft_model"
     if args.synthetic:
-        return f"synthetic {args.synthetic} (random weights)" + (", n-gram lookup" if lookup
-                                                                  else "")
+        return f"synthetic {args.synthetic} (random weights)" + (
+            f", {args.speculative_method} lookup" if lookup else "")
     if lookup:
-        return f"{args.target or 'the built-in target'}, drafting by n-gram lookup"
+        return f"{args.target or 'the built-in target'}, drafting by {args.speculative_method}"
     if args.target:
         return f"{args.target} + {args.draft}"
     return "the built-in default pair"

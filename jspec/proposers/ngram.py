@@ -22,6 +22,28 @@ from jspec.device_steps import DraftResult
 from jspec.proposers.base import Proposer
 
 
+def longest_earlier_suffix(tokens: np.ndarray, n_max: int) -> tuple[int, np.ndarray]:
+    """(n, ends): the longest suffix of ``tokens``, at most ``n_max`` long, that also occurs
+    earlier (ending before the last token), and where each earlier occurrence ends, in
+    order; (0, empty) when the last token never occurred before."""
+    length = len(tokens)
+    if length < 2 or n_max < 1:
+        return 0, np.zeros(0, np.int64)
+    # ends of earlier occurrences of the last token, then of ever longer suffixes
+    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+    if not ends.size:
+        return 0, ends
+    matched = 1
+    while matched < n_max and matched < length - 1:
+        back = ends - matched
+        longer = ends[(back >= 0) & (tokens[np.maximum(back, 0)]
+                                     == tokens[length - 1 - matched])]
+        if not longer.size:
+            break
+        matched, ends = matched + 1, longer
+    return matched, ends
+
+
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> np.ndarray:
     """The draft for a sequence of ``tokens``: the up to ``k`` tokens that followed the latest
     earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that occurs
@@ -29,22 +51,12 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> np.ndarr
 
     An occurrence is earlier when it ends before the last token; what followed it may run into
     the sequence's own tail (a repeating pattern drafts its continuation)."""
-    length = len(tokens)
-    if k <= 0 or length < n_min + 1:
+    if k <= 0:
         return tokens[:0]
-    # ends of earlier occurrences of the last token, then of ever longer suffixes
-    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
-    matched = 1
-    best = ends
-    while ends.size and matched < n_max and matched < length - 1:
-        back = ends - matched
-        ends = ends[(back >= 0) & (tokens[np.maximum(back, 0)] == tokens[length - 1 - matched])]
-        if ends.size:
-            matched += 1
-            best = ends
-    if matched < n_min or not best.size:
+    matched, ends = longest_earlier_suffix(tokens, n_max)
+    if matched < n_min:
         return tokens[:0]
-    start = int(best[-1]) + 1  # the latest occurrence of the longest suffix
+    start = int(ends[-1]) + 1  # the latest occurrence of the longest suffix
     return tokens[start:start + k]
 
 
@@ -76,6 +88,29 @@ class _Tokens:
         return self.buf[:self.size]
 
 
+class TokenBuffers:
+    """Each request's tokens as a numpy array, kept up to date by copying only new tokens;
+    buffers of requests no longer scheduled are dropped once there are many."""
+
+    def __init__(self, max_num_seqs: int):
+        self._buffers: dict[str, _Tokens] = {}
+        self._keep = 2 * max_num_seqs
+
+    def of(self, seq) -> np.ndarray:
+        entry = self._buffers.get(seq.request_id)
+        if entry is None:
+            entry = self._buffers[seq.request_id] = _Tokens(seq.token_ids())
+            return entry.buf[:entry.size]
+        return entry.sync(seq)
+
+    def prune(self, rows) -> None:
+        """Drop the buffers of requests not among ``rows`` (the step's), when there are more
+        than twice as many as can run."""
+        if len(self._buffers) > self._keep:
+            live = {r.seq.request_id for r in rows}
+            self._buffers = {rid: b for rid, b in self._buffers.items() if rid in live}
+
+
 class NgramProposer(Proposer):
     """Prompt lookup over each sequence's own tokens (module docstring)."""
 
@@ -86,15 +121,7 @@ class NgramProposer(Proposer):
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min} and {prompt_lookup_max}")
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
-        self._tokens: dict[str, _Tokens] = {}
-        self._keep = 4 * max_num_seqs  # buffers kept before finished requests' are dropped
-
-    def tokens_of(self, seq) -> np.ndarray:
-        entry = self._tokens.get(seq.request_id)
-        if entry is None:
-            entry = self._tokens[seq.request_id] = _Tokens(seq.token_ids())
-            return entry.buf[:entry.size]
-        return entry.sync(seq)
+        self.tokens = TokenBuffers(max_num_seqs)
 
     def propose(self, st) -> None:
         tokens = np.zeros((st.num_rows, st.gamma), np.int32)
@@ -103,21 +130,19 @@ class NgramProposer(Proposer):
             row = st.rows[i]
             if row.gamma_planned <= 0:
                 continue
-            draft = ngram_lookup(self.tokens_of(row.seq), self.n_min, self.n_max,
+            draft = ngram_lookup(self.tokens.of(row.seq), self.n_min, self.n_max,
                                  row.gamma_planned)
             tokens[i, :len(draft)] = draft
             drafted[i] = len(draft)
             row.gamma_verify = len(draft)  # nothing found: the row verifies no draft slot
-        if len(self._tokens) > self._keep:
-            live = {r.seq.request_id for r in st.rows}
-            self._tokens = {rid: t for rid, t in self._tokens.items() if rid in live}
+        self.tokens.prune(st.rows)
         zeros = np.zeros((st.num_rows, st.gamma), np.float32)
         st.draft = DraftResult(tokens, None, drafted, zeros, zeros)
         st.num_drafted = drafted
 
     def replay(self, st):
         rows = [(st.rows[i].seq, st.rows[i].gamma_planned) for i in st.decode_idx.tolist()]
-        return lambda: [ngram_lookup(self.tokens_of(seq), self.n_min, self.n_max, g)
+        return lambda: [ngram_lookup(self.tokens.of(seq), self.n_min, self.n_max, g)
                         for seq, g in rows if g > 0]
 
     def commit_row(self, st, row, seq, old_num_tokens, num_accepted, num_drafted) -> None:
