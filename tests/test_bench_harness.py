@@ -366,6 +366,7 @@ def test_real_workloads():
     assert sg[0].text == "How to stop automatic updates from the WSUS Server to a target machine"
 
 
+@needs_data
 def test_spec_bench_categories():
     from jspec.bench import workloads as wl
 
@@ -696,7 +697,7 @@ def test_serving_compares_the_draft_model_with_prompt_lookup(tiny_pair, tmp_path
     assert (model["label"], lookup["label"]) == ("static γ=3", "static γ=3 ngram")
     assert lookup["engine_options"] == {"speculative_method": "ngram"}
     assert model["metrics"]["total_output_tokens"] == lookup["metrics"]["total_output_tokens"]
-    with pytest.raises(ValueError, match="drafter must be one of draft_model, ngram, got 'x'"):
+    with pytest.raises(ValueError, match="drafter must be one of draft_model, ngram, suffix, got 'x'"):
         serving.parse_policies(["static:drafter=x"], [], 4)
 
 
