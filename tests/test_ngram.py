@@ -141,15 +141,15 @@ def test_suffix_global_tree_holds_finished_outputs_and_evicts_the_oldest():
     first = seq("a", [1, 2], [7, 8, 9, 10, 11])
     prop._running["a"] = first
     fresh = seq("b", [5, 6, 7, 8])  # its own tokens never continue "7 8"
-    assert prop._draft(fresh, 3) == []  # a is still running: not in the global tree
+    assert prop.draft(fresh, 3) == []  # a is still running: not in the global tree
     first.status = SequenceStatus.FINISHED_STOPPED
     prop._retire_finished()
-    assert prop._draft(fresh, 3) == [9, 10, 11]  # from a's output
+    assert prop.draft(fresh, 3) == [9, 10, 11]  # from a's output
     second = seq("c", [3], [20, 21, 22])
     second.status = SequenceStatus.FINISHED_LENGTH
     prop._running["c"] = second
     prop._retire_finished()  # one cached request at most: a's output goes
-    assert prop._draft(fresh, 3) == [] and prop._draft(seq("d", [20, 21]), 2) == [22]
+    assert prop.draft(fresh, 3) == [] and prop.draft(seq("d", [20, 21]), 2) == [22]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.3, 8, 0.95)])

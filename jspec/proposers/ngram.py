@@ -111,17 +111,16 @@ class TokenBuffers:
             self._buffers = {rid: b for rid, b in self._buffers.items() if rid in live}
 
 
-class NgramProposer(Proposer):
-    """Prompt lookup over each sequence's own tokens (module docstring)."""
+class LookupProposer(Proposer):
+    """A drafter that looks each drafting row's continuation up on the host (``draft``), with
+    no distribution: the shared step of prompt lookup and suffix decoding."""
 
-    name = "ngram"
+    def __init__(self, max_num_seqs: int):
+        self.tokens = TokenBuffers(max_num_seqs)  # each request's tokens
 
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, max_num_seqs: int):
-        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{prompt_lookup_min} and {prompt_lookup_max}")
-        self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
-        self.tokens = TokenBuffers(max_num_seqs)
+    def draft(self, seq, gamma: int) -> list[int] | np.ndarray:
+        """Up to ``gamma`` tokens to follow ``seq``'s."""
+        raise NotImplementedError
 
     def propose(self, st) -> None:
         tokens = np.zeros((st.num_rows, st.gamma), np.int32)
@@ -130,8 +129,7 @@ class NgramProposer(Proposer):
             row = st.rows[i]
             if row.gamma_planned <= 0:
                 continue
-            draft = ngram_lookup(self.tokens.of(row.seq), self.n_min, self.n_max,
-                                 row.gamma_planned)
+            draft = self.draft(row.seq, row.gamma_planned)
             tokens[i, :len(draft)] = draft
             drafted[i] = len(draft)
             row.gamma_verify = len(draft)  # nothing found: the row verifies no draft slot
@@ -142,9 +140,24 @@ class NgramProposer(Proposer):
 
     def replay(self, st):
         rows = [(st.rows[i].seq, st.rows[i].gamma_planned) for i in st.decode_idx.tolist()]
-        return lambda: [ngram_lookup(self.tokens.of(seq), self.n_min, self.n_max, g)
-                        for seq, g in rows if g > 0]
+        return lambda: [self.draft(seq, g) for seq, g in rows if g > 0]
 
     def commit_row(self, st, row, seq, old_num_tokens, num_accepted, num_drafted) -> None:
-        """Nothing to keep in step: the buffer catches up with the sequence when it next
+        """Nothing to keep in step: the lookup catches up with the sequence when it next
         drafts."""
+
+
+class NgramProposer(LookupProposer):
+    """Prompt lookup over each sequence's own tokens (module docstring)."""
+
+    name = "ngram"
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, max_num_seqs: int):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{prompt_lookup_min} and {prompt_lookup_max}")
+        super().__init__(max_num_seqs)
+        self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
+
+    def draft(self, seq, gamma: int) -> np.ndarray:
+        return ngram_lookup(self.tokens.of(seq), self.n_min, self.n_max, gamma)

@@ -29,9 +29,7 @@ import collections
 
 import numpy as np
 
-from jspec.device_steps import DraftResult
-from jspec.proposers.base import Proposer
-from jspec.proposers.ngram import TokenBuffers, longest_earlier_suffix
+from jspec.proposers.ngram import LookupProposer, longest_earlier_suffix
 
 _COUNT, _KIDS = 0, 1  # a node: [count, {token: node}]
 
@@ -152,7 +150,7 @@ def sequence_draft(tokens: np.ndarray, max_depth: int, k: int, max_spec_factor: 
     return out, score
 
 
-class SuffixProposer(Proposer):
+class SuffixProposer(LookupProposer):
     """Suffix decoding over a per-request and a global suffix tree (module docstring)."""
 
     name = "suffix"
@@ -163,8 +161,8 @@ class SuffixProposer(Proposer):
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.max_cached_requests = max_cached_requests
+        super().__init__(max_num_seqs)
         self.global_tree = SuffixTree(max_depth)
-        self.tokens = TokenBuffers(max_num_seqs)  # each request's own tokens
         self._running: dict[str, object] = {}  # sequences drafted for, until they finish
         # the finished requests' outputs the global tree holds, oldest first
         self._cached: collections.deque[list[int]] = collections.deque()
@@ -180,7 +178,7 @@ class SuffixProposer(Proposer):
                 if len(self._cached) > self.max_cached_requests:
                     self.global_tree.remove(self._cached.popleft())
 
-    def _draft(self, seq, gamma: int) -> list[int]:
+    def draft(self, seq, gamma: int) -> list[int]:
         tokens = self.tokens.of(seq)
         own, score = sequence_draft(tokens, self.max_depth, gamma, self.max_spec_factor,
                                     self.min_token_prob)
@@ -192,24 +190,4 @@ class SuffixProposer(Proposer):
         self._retire_finished()
         for row in st.rows:  # every scheduled request's output joins the tree when it ends
             self._running[row.seq.request_id] = row.seq
-        out = np.zeros((st.num_rows, st.gamma), np.int32)
-        drafted = np.zeros(st.num_rows, np.int32)
-        for i in st.decode_idx.tolist():
-            row = st.rows[i]
-            if row.gamma_planned <= 0:
-                continue
-            draft = self._draft(row.seq, row.gamma_planned)
-            out[i, :len(draft)] = draft
-            drafted[i] = len(draft)
-            row.gamma_verify = len(draft)
-        self.tokens.prune(st.rows)
-        zeros = np.zeros((st.num_rows, st.gamma), np.float32)
-        st.draft = DraftResult(out, None, drafted, zeros, zeros)
-        st.num_drafted = drafted
-
-    def replay(self, st):
-        rows = [(st.rows[i].seq, st.rows[i].gamma_planned) for i in st.decode_idx.tolist()]
-        return lambda: [self._draft(seq, g) for seq, g in rows if g > 0]
-
-    def commit_row(self, st, row, seq, old_num_tokens, num_accepted, num_drafted) -> None:
-        """Nothing to keep in step: the trees catch up with the sequence when it next drafts."""
+        super().propose(st)
