@@ -156,19 +156,13 @@ def function_prompts(files: Iterable[SourceFile], max_chars: int = 1200) -> list
     ``max_chars`` are skipped. Used with the held-out split to measure the default pair."""
     import ast
     import textwrap
-    import warnings
 
     prompts = []
     for f in files:
         text = f.read()
         lines = text.splitlines()
-        try:
-            # the stdlib's own sources hold old invalid escapes ('\(' in non-raw strings) that
-            # the parser warns about; they are the corpus, not our code
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
-                tree = ast.parse(text)
-        except SyntaxError:
+        tree = _parse_quietly(text)
+        if tree is None:
             continue
         nodes = [n for n in ast.walk(tree)
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -186,4 +180,91 @@ def heldout_function_prompts(limit: int | None = None, max_chars: int = 1200) ->
     """``function_prompts`` of the held-out split (test directories excluded)."""
     _, held = split_files(discover(include_tests=False))
     prompts = function_prompts(held, max_chars)
+    return prompts if limit is None else prompts[:limit]
+
+
+def _parse_quietly(text: str):
+    """The module's AST, or None when it does not parse. The stdlib's own sources hold old
+    invalid escapes ('\\(' in non-raw strings) that the parser warns about; they are the corpus,
+    not our code, so the warnings are silenced."""
+    import ast
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+            return ast.parse(text)
+    except SyntaxError:
+        return None
+
+
+def _outer_functions(tree) -> list:
+    """Module-level functions and methods (a nested function is already part of the text of
+    the function around it), in source order."""
+    import ast
+
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    found, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, kinds):
+                found.append(child)
+            elif isinstance(child, ast.ClassDef):
+                stack.append(child)
+    return sorted(found, key=lambda n: n.lineno)
+
+
+def _continuation_cut(node, lines: Sequence[str], min_chars: int, max_chars: int) -> str | None:
+    """The function ``node``'s source (decorators included, dedented) up to the start of one of
+    its statements, or None when no cut fits. The cut keeps the signature, the docstring and at
+    least one statement of the body; the kept part is ``min_chars`` to ``max_chars`` long and at
+    most three quarters of the function, so there is code left to write; of those, the cut
+    nearest to half the function is taken, so the model has seen the names the rest reuses."""
+    import ast
+    import textwrap
+
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    if not body:
+        return None
+    whole = len(textwrap.dedent("\n".join(lines[first - 1:node.end_lineno])))
+    starts = sorted({s.lineno for s in ast.walk(node)
+                     if isinstance(s, ast.stmt) and s.lineno > body[0].lineno})
+    best, best_gap = None, None
+    for cut in starts:
+        kept = textwrap.dedent("\n".join(lines[first - 1:cut - 1])).rstrip() + "\n"
+        if not min_chars <= len(kept) <= min(max_chars, 0.75 * whole):
+            continue
+        gap = abs(len(kept) - whole / 2)
+        if best_gap is None or gap < best_gap:
+            best, best_gap = kept, gap
+    return best
+
+
+def continuation_prompts(files: Iterable[SourceFile], min_chars: int = 200,
+                         max_chars: int = 600) -> list[str]:
+    """Code-continuation prompts: every module-level function or method cut part way through
+    its body (``_continuation_cut``), so the model continues code whose names it has just read,
+    the case where drafting by lookup in the prompt pays. In file order, then source order;
+    functions without a cut that fits are skipped."""
+    prompts = []
+    for f in files:
+        text = f.read()
+        tree = _parse_quietly(text)
+        if tree is None:
+            continue
+        lines = text.splitlines()
+        for node in _outer_functions(tree):
+            prompt = _continuation_cut(node, lines, min_chars, max_chars)
+            if prompt is not None:
+                prompts.append(prompt)
+    return prompts
+
+
+def heldout_continuation_prompts(limit: int | None = None) -> list[str]:
+    """``continuation_prompts`` of the held-out split (test directories excluded), the files
+    ``heldout_function_prompts`` reads."""
+    _, held = split_files(discover(include_tests=False))
+    prompts = continuation_prompts(held)
     return prompts if limit is None else prompts[:limit]

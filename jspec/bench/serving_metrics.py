@@ -35,6 +35,11 @@ lengths over the finished requests of the first turn (``first``), of every later
 arrival is when it became due: its previous turn's finish + the think time; its TTFT is what the
 user waits after sending that message, the number prefix caching shortens.
 
+Per category of prompt (``category_metrics``, for workloads of several, Spec-Bench's or mixed):
+requests, output tokens, acceptance rate, mean accepted length and TPOT statistics over each
+category's finished requests. The run's tokens/s is not split: the categories share its batches,
+so a category's speed is its TPOT; its acceptance says which prompts speculation suits.
+
 Time series (``time_series``) bin the run into windows of ``bin_seconds``: output tokens/s (by
 chunk time), arrivals and completions per second, and from the engine steps recorded by the
 driver (``StepRecords``): mean batch size, mean γ per decoding sequence, acceptance, steps.
@@ -206,6 +211,26 @@ def turn_metrics(records: Sequence[RequestRecord]) -> dict:
             "later": _group_metrics([r for r in mine if r.turn >= 2]),
             "turns": {str(t): _group_metrics([r for r in mine if r.turn == t])
                       for t in sorted({r.turn for r in mine})}}
+
+
+def category_metrics(records: Sequence[RequestRecord]) -> dict:
+    """Statistics by prompt category (module docstring), keyed by category, sorted."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(r.category, []).append(r)
+    return {c: _category_row(rs) for c, rs in sorted(groups.items())}
+
+
+def _category_row(records: Sequence[RequestRecord]) -> dict:
+    done = [r for r in records if r.ok]
+    drafted = sum(r.num_drafted for r in done)
+    accepted = sum(r.num_accepted for r in done)
+    spec_steps = sum(r.num_spec_steps for r in done)
+    return {"num_requests": len(records), "num_finished": len(done),
+            "output_tokens": sum(r.num_output_tokens for r in done),
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": (accepted + spec_steps) / spec_steps if spec_steps else 0.0,
+            "tpot_s": summarize(r.tpot() for r in done)}
 
 
 STEP_FIELDS = ("time", "step_time", "draft_time", "catch_up_time", "batch_size", "num_decode",

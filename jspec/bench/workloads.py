@@ -12,6 +12,15 @@ directory's README for provenance and licences):
   whose ``from`` is ``human``.
 * ``code``: signatures + docstrings of the functions in the default pair's held-out split of the
   stdlib corpus (``jspec.models.corpus.heldout_function_prompts``); no file.
+* ``code-continuation``: functions and methods of the same held-out files cut part way through
+  their body, 200 to 600 characters (``jspec.models.corpus.heldout_continuation_prompts``), so
+  the model continues code whose names it has just read: input-grounded, like Spec-Bench's
+  summarization and rag; no file.
+* ``mixed``: every prompt of ``spec-bench`` (each keeping its own category), ``sharegpt``,
+  ``code`` and ``code-continuation``, each category spread evenly through the pool
+  (``interleave``); its files are always the shared data directory's. Requests draw from the
+  pool at random, so each source's share of them is its share of the pool (the shipped files
+  on Python 3.11: 500 sharegpt, 480 spec-bench, 152 code, 116 code-continuation).
 * ``multiturn``: conversations (``load_conversations``), from a ShareGPT-format file (default:
   the same ``ShareGPT_V3_filtered_500.json``). An entry with several human turns is one
   conversation, its human turns in order (the ``gpt`` replies are dropped: the engine's own
@@ -67,7 +76,15 @@ DATA_FILES = {
     "alpaca": "alpaca_data_1k_sample.json",
     "sharegpt": "ShareGPT_V3_filtered_500.json",
 }
-WORKLOADS = ("code", "spec-bench", "alpaca", "sharegpt", "multiturn")
+WORKLOADS = ("code", "code-continuation", "spec-bench", "alpaca", "sharegpt", "multiturn",
+             "mixed")
+# the workloads that read no file of their own, and why (what an error says when given one)
+NO_FILE = {"code": "reads the held-out corpus split",
+           "code-continuation": "reads the held-out corpus split",
+           "mixed": "reads each source's file from the shared data directory (set "
+                    "JSPEC_DATA_DIR for another)"}
+FILE_WORKLOADS = tuple(w for w in WORKLOADS if w not in NO_FILE)
+MIXED_SOURCES = ("spec-bench", "sharegpt", "code", "code-continuation")
 DEFAULT_TURNS = 4  # user turns per conversation assembled from single-turn entries
 # how a user message is wrapped into the token ids its turn adds (module docstring)
 FIRST_HEAD, NEXT_HEAD, TAIL = "User: ", "\n\nUser: ", "\n\nAssistant:"
@@ -303,11 +320,49 @@ def load_code(limit: int | None = None) -> list[Prompt]:
     return [Prompt(t, "code", "code", i) for i, t in enumerate(texts)]
 
 
+def load_code_continuation(limit: int | None = None) -> list[Prompt]:
+    from jspec.models.corpus import heldout_continuation_prompts
+
+    texts = heldout_continuation_prompts(limit)
+    if not texts:
+        raise ValueError("no held-out code-continuation prompts found (is the stdlib source "
+                         "available?)")
+    return [Prompt(t, "code-continuation", "code-continuation", i) for i, t in enumerate(texts)]
+
+
+def load_mixed() -> list[Prompt]:
+    """Every prompt of the ``MIXED_SOURCES``, each category spread evenly (``interleave`` of
+    the categories; Spec-Bench's file holds its categories in blocks). Each prompt keeps its own
+    category, source and index, so results split by category. A missing data file is named up
+    front: the loaders' own message suggests passing a path, which mixed does not take."""
+    for name in MIXED_SOURCES:
+        if name in DATA_FILES and not default_path(name).exists():
+            raise ValueError(f"the mixed workload needs {DATA_FILES[name]} ({name}) in the "
+                             f"shared data directory: {str(default_path(name))!r} not found "
+                             f"(set JSPEC_DATA_DIR)")
+    groups: dict[str, list[Prompt]] = {}
+    for name in MIXED_SOURCES:
+        for prompt in load_workload(name):
+            groups.setdefault(prompt.category, []).append(prompt)
+    return interleave(list(groups.values()))
+
+
+def interleave(pools: Sequence[Sequence[Prompt]]) -> list[Prompt]:
+    """Every prompt of every pool, each pool spread evenly through the result (the k-th of a pool
+    of n sits at about k/n of the way; ties in pool order), so any stretch of the result holds
+    each pool in its share. Deterministic."""
+    keyed = sorted(((k + 0.5) / len(pool), j, k) for j, pool in enumerate(pools)
+                   for k in range(len(pool)))
+    return [pools[j][k] for _, j, k in keyed]
+
+
 def load_workload(name: str, path: str | os.PathLike | None = None) -> list[Prompt]:
-    if name == "code":
-        if path is not None:
-            raise ValueError("the code workload reads the held-out corpus split, not a file")
-        return load_code()
+    if name in NO_FILE and path is not None:
+        raise ValueError(f"the {name} workload {NO_FILE[name]}, not a file")
+    fileless = {"code": load_code, "code-continuation": load_code_continuation,
+                "mixed": load_mixed}
+    if name in fileless:
+        return fileless[name]()
     loaders = {"spec-bench": load_spec_bench, "alpaca": load_alpaca, "sharegpt": load_sharegpt}
     if name == "multiturn":
         raise ValueError("the multiturn workload is conversations: load_conversations")
