@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from jspec.config import SPECULATIVE_METHODS
+from jspec.config import parse_methods
 
 # EngineConfig fields that map one-to-one onto `--flag` options; unset flags keep the config's
 # default.
@@ -46,12 +46,14 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
                       help="speculation policy: auto (adapts to load), static (fixed γ), off, "
                            "nightjar, dsde, adaspec, dsd, ucb, adaedl, heuristic "
                            "(default: %(default)s)")
-    spec.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+    spec.add_argument("--speculative-method", default=None, metavar="METHOD",
                       help="what drafts: draft_model (the draft checkpoint; the built-in "
                            "pair's without --target), ngram (prompt lookup in each "
                            "sequence's own tokens) or suffix (suffix decoding over the "
                            "request's and earlier requests' tokens); the last two run no draft "
-                           "model (default: draft_model)")
+                           "model. Several joined by '+' (e.g. draft_model+ngram+suffix): "
+                           "the policy picks one per sequence each step (auto does) "
+                           "(default: draft_model)")
     spec.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
                       help="ngram: shortest suffix matched (default: 2)")
     spec.add_argument("--prompt-lookup-max", type=int, default=None, metavar="N",
@@ -160,6 +162,12 @@ def parse_policy_options(items: list[str]) -> dict[str, Any]:
     return options
 
 
+def _lookup_only(args: argparse.Namespace) -> bool:
+    """Whether --speculative-method names only drafters without a model."""
+    return args.speculative_method is not None and \
+        "draft_model" not in parse_methods(args.speculative_method)
+
+
 def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """Everything about the models and the policy that is checkable without loading anything.
     Returns the parsed policy options."""
@@ -167,7 +175,9 @@ def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.draft is not None and args.target is None:
         raise ValueError("--draft needs --target (give both, or neither for the default pair)")
-    if args.speculative_method in ("ngram", "suffix") and args.draft is not None:
+    if args.speculative_method is not None:
+        parse_methods(args.speculative_method)  # a clear error for a misspelt drafter
+    if _lookup_only(args) and args.draft is not None:
         raise ValueError(f"--speculative-method {args.speculative_method} drafts by lookup and "
                          f"takes no --draft")
     policy_options = parse_policy_options(args.policy_option)
@@ -204,9 +214,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def describe_models(args: argparse.Namespace) -> None:
     """One stderr note on which models run when that is not obvious from the flags."""
-    if args.speculative_method in ("ngram", "suffix"):
+    if _lookup_only(args):
         which = "the built-in target" if args.target is None else "the target"
-        how = "n-gram lookup" if args.speculative_method == "ngram" else "suffix decoding"
+        how = " and ".join({"ngram": "n-gram lookup", "suffix": "suffix decoding"}[m]
+                           for m in parse_methods(args.speculative_method))
         print(f"{which}, drafting by {how} (no draft model)", file=sys.stderr)
     elif args.target is None:
         from jspec.default_models import describe_default_pair

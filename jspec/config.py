@@ -25,7 +25,9 @@ class EngineConfig:
     # what drafts (vLLM's speculative_config "method"): "draft_model" (the draft models given),
     # "ngram" (prompt lookup over each sequence's own tokens, jspec/proposers/ngram.py: no
     # draft model; the suffix n of [prompt_lookup_min, prompt_lookup_max] tokens is matched) or
-    # "suffix" (suffix decoding, no draft model either)
+    # "suffix" (suffix decoding, no draft model either); several joined by "+" (e.g.
+    # "draft_model+ngram+suffix"): each step each sequence may draft with a different one, as
+    # the policy plans (DraftPlan.drafters)
     speculative_method: str = "draft_model"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -93,10 +95,7 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got "
                              f"{self.num_speculative_tokens!r}")
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method must be one of "
-                             f"{', '.join(map(repr, SPECULATIVE_METHODS))}, got "
-                             f"{self.speculative_method!r}")
+        parse_methods(self.speculative_method)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (lo, hi)) \
                 or lo > hi:
@@ -141,9 +140,41 @@ class EngineConfig:
     def policy_kwargs(self) -> dict[str, Any]:
         return dict(self.policy_options)
 
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters ``speculative_method`` names, the draft model first."""
+        return parse_methods(self.speculative_method)
+
+    @property
+    def lookups(self) -> tuple[str, ...]:
+        """The drafters without a model among them."""
+        return tuple(m for m in self.drafters if m in LOOKUP_METHODS)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return "draft_model" in self.drafters
+
 
 ELASTIC_POOL_LAYOUTS = ("auto", "segments", "preallocated")
 SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix")
+LOOKUP_METHODS = ("ngram", "suffix")  # the drafters that run no model
+
+
+def parse_methods(spelling) -> tuple[str, ...]:
+    """The drafters a ``speculative_method`` names: one of SPECULATIVE_METHODS, or several
+    joined by "+" (each once), the draft model first, then the lookups as given."""
+    if not isinstance(spelling, str) or not spelling.strip():
+        raise ValueError(f"speculative_method must be one of "
+                         f"{', '.join(map(repr, SPECULATIVE_METHODS))} or several joined by "
+                         f"'+', got {spelling!r}")
+    methods = [m.strip() for m in spelling.split("+")]
+    for m in methods:
+        if m not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method names {m!r}; each drafter must be one of "
+                             f"{', '.join(map(repr, SPECULATIVE_METHODS))}")
+    if len(set(methods)) < len(methods):
+        raise ValueError(f"speculative_method {spelling!r} names a drafter twice")
+    return tuple(sorted(methods, key=lambda m: m != "draft_model"))
 
 
 def resolve_elastic_pool_layout(layout: str) -> str:

@@ -73,12 +73,14 @@ class Drafts:
     """A step's drafts as a verifier takes them (vLLM's ``SpecDecodeMetadata``): ``tokens``
     [S, G]; ``slots`` [S, G], where each goes in the verify batch (out of range: not verified);
     ``logits`` [S, G, V], the draft distribution q (None: a lookup's drafts, one-hot q);
-    ``num_drafted`` [S]."""
+    ``num_drafted`` [S]; ``onehot`` [S] bool, in a step that mixes a pool model's drafts with
+    a lookup's: the rows whose q is one-hot (their ``logits`` rows are ignored)."""
 
     tokens: jax.Array
     slots: jax.Array
     logits: jax.Array
     num_drafted: jax.Array
+    onehot: jax.Array | None = None
 
 
 @array_dataclass
@@ -220,8 +222,16 @@ def verify_and_accept(params: dict, kv: KVCache, batch: ModelInput, st: Sampling
                                                          batch.logits_indices))
         return sample_tokens(logits, st), logits, kv
     logits, kv = verify_forward(params, kv, batch, feed.tokens, feed.slots, opts=opts)
-    return (rejection_sample(logits, feed.logits, feed.tokens, feed.num_drafted, st), logits,
-            kv)
+    return (rejection_sample(logits, feed.logits, feed.tokens, feed.num_drafted, st,
+                             onehot_rows=feed.onehot), logits, kv)
+
+
+def accept_mixed(logits: jax.Array, draft_logits: jax.Array, draft_tokens: jax.Array,
+                 num_drafted: jax.Array, st: SamplingTensors, onehot: jax.Array):
+    """The acceptance of a step that carried prefill, its drafts mixing a pool model's rows
+    with a lookup's (``onehot`` [S]: the rows whose q is one-hot)."""
+    return rejection_sample(logits, draft_logits, draft_tokens, num_drafted, st,
+                            onehot_rows=onehot)
 
 
 # The random streams of an intermediate level's acceptance tests and correction draw (the

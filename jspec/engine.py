@@ -47,8 +47,8 @@ class LLMEngine:
         config = config or EngineConfig()
         pool = engine_setup.draft_pool(target, draft)
         # a lookup drafts from the sequences' own tokens: no draft model
-        self.lookup = engine_setup.check_lookup(config, pool)
-        if not pool and not self.lookup:
+        self.lookups = engine_setup.check_lookup(config, pool)
+        if not pool and not self.lookups:
             # Without a draft there is nothing to speculate with: plain decoding, no lookahead.
             config = dataclasses.replace(config, num_speculative_tokens=0, policy="off")
         self.config, self.tokenizer, self.target = config, tokenizer, target
@@ -57,8 +57,9 @@ class LLMEngine:
         engine_setup.check_pool(config, pool)
         kv_dtype = engine_setup.kv_dtype_of(config, target)
         self.rc, memory = engine_setup.size_cache(config, target, pool, kv_dtype)
-        speculates = bool(pool) or self.lookup
-        chains = engine_setup.check_chains(policy, len(self.pool_names) if speculates else 0)
+        speculates = bool(pool) or bool(self.lookups)
+        chains = engine_setup.check_chains(policy, len(self.pool_names) if speculates else 0,
+                                           len(pool))
         self.gamma_buckets = gamma_buckets(policy.possible_gammas(), self.max_gamma) \
             if speculates and chains else (0,)
         policy.set_gamma_buckets(self.gamma_buckets)  # the shapes its plans will run at
@@ -66,12 +67,15 @@ class LLMEngine:
             self.rc, [target, *pool], max(policy.possible_gammas()))
         self.runner = ModelRunner(target, pool, self.rc, kv_dtype, CompileSpec(
             self.gamma_buckets, signals=policy.signals if pool else (),
-            draft_stats=policy.wants_draft_stats, chains=chains, lookup=self.lookup))
+            draft_stats=policy.wants_draft_stats,
+            chains=frozenset(c for c in chains if c and c[0] < len(pool)),
+            lookup=any(c and c[0] >= len(pool) for c in chains)))
         self.elastic = None if memory is None else ElasticController(
             memory, self.runner, self.block_manager, self.scheduler)
         self.planner = Planner(self.rc, self.scheduler, self.block_manager, policy, Speculation(
-            self.gamma_buckets, chains, make_proposers(self.runner, chains, config),
-            self.max_gamma, drafts=speculates and max(policy.possible_gammas()) > 0))
+            self.gamma_buckets, chains, make_proposers(self.runner, chains, config, len(pool)),
+            self.max_gamma, drafts=speculates and max(policy.possible_gammas()) > 0,
+            num_models=len(pool)))
         self.planner.decide = self._decide
         self.planner.draft_resident = lambda: self.draft_resident
         self.chains = chains
@@ -132,13 +136,13 @@ class LLMEngine:
     @property
     def speculates(self) -> bool:
         """Whether anything can draft: a draft model, or a lookup."""
-        return self.lookup or self.draft is not None
+        return bool(self.lookups) or self.draft is not None
 
     @property
     def draft_resident(self) -> bool:
         """Whether the drafter can run this step (False while elastic memory has the draft
         model offloaded or its reload is still in flight; a lookup is always there)."""
-        if self.lookup:
+        if self.lookups and self.draft is None:
             return True
         return self.draft is not None and (self.elastic is None or self.elastic.draft_resident)
 
@@ -349,7 +353,7 @@ class LLMEngine:
     def _observe(self, st: StepState, fetched: Fetched, clock: StageClock) -> None:
         """The step's one record: to the metrics, elastic memory, the policy and the step
         listeners."""
-        outcome = build_record(st, fetched, clock, self.scheduler)
+        outcome = build_record(st, fetched, clock, self.scheduler, self.planner.spec.num_models)
         self.metrics.observe(outcome)
         if self.elastic is not None:
             self.elastic.observe(outcome.num_decode > 0, st.gamma, self.config.max_num_seqs)

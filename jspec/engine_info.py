@@ -58,7 +58,7 @@ class EngineLimits:
             vocab_size=engine.target.cfg.vocab_size, has_draft=engine.speculates,
             policy=engine.policy.name, max_gamma=engine.max_gamma,
             gamma_buckets=tuple(engine.gamma_buckets),
-            draft_pool=engine.pool_names if engine.runner.pool or engine.lookup else (),
+            draft_pool=engine.pool_names if engine.runner.pool or engine.lookups else (),
             max_logprobs=(engine.runner.logprobs_width
                           if engine.inputs.logprobs_refusal is None else 0),
             kv_dtype=str(engine.runner.kv_dtype), kernel_backend=engine.runner.kernel_backend)

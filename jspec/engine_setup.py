@@ -44,27 +44,32 @@ def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
     return pool
 
 
-def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> bool:
-    """Whether the engine drafts by lookup (``speculative_method`` "ngram" or "suffix"), which
-    runs no
-    draft model: a draft given beside it, or elastic memory (which offloads a draft model), is
-    refused."""
-    if config.speculative_method == "draft_model":
-        return False
-    if pool:
-        raise ValueError(f"speculative_method {config.speculative_method!r} drafts without a "
-                         f"draft model, but {len(pool)} draft model(s) were given; give none, "
-                         f"or use speculative_method 'draft_model'")
+def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> tuple[str, ...]:
+    """The drafters without a model the engine runs (``speculative_method`` naming "ngram" or
+    "suffix"). Alone they run no draft model: a draft given beside them is refused; named with
+    "draft_model" they need one. Elastic memory (which offloads the draft model) is refused
+    beside a lookup."""
+    lookups = config.lookups
+    if not lookups:
+        return ()
+    method = config.speculative_method
+    if pool and not config.uses_draft_model:
+        raise ValueError(f"speculative_method {method!r} drafts without a draft model, but "
+                         f"{len(pool)} draft model(s) were given; give none, or name "
+                         f"'draft_model' too (e.g. 'draft_model+{lookups[0]}')")
+    if config.uses_draft_model and not pool:
+        raise ValueError(f"speculative_method {method!r} names 'draft_model', but no draft "
+                         f"model was given")
     if config.elastic_memory:
-        raise ValueError(f"elastic_memory offloads a draft model; speculative_method "
-                         f"{config.speculative_method!r} has none")
-    return True
+        raise ValueError(f"elastic_memory offloads the draft model; it does not run beside "
+                         f"a drafter without one (speculative_method {method!r})")
+    return lookups
 
 
 def check_lookup_policy(policy: Policy, method: str) -> None:
-    """A lookup's drafts have no distribution and cost no draft forward: a policy that reads
-    the draft's distribution (signals, stop rules, ``select``), chains draft models or reasons
-    from a draft model's step-time profile cannot run on them."""
+    """A lookup's drafts have no distribution and cost no draft forward: a policy that may
+    draft by lookup cannot read the draft's distribution (signals, stop rules, ``select``),
+    chain draft models or reason from a draft model's step-time profile."""
     needs = [what for what, needed in (
         (f"the draft distribution's signals {sorted(policy.signals)}", policy.signals),
         ("the draft's confidence and entropy", policy.wants_draft_stats
@@ -77,18 +82,24 @@ def check_lookup_policy(policy: Policy, method: str) -> None:
                          f"model); use a policy without it, e.g. 'auto', 'static' or 'off'")
 
 
-def check_chains(policy: Policy, pool_size: int) -> frozenset[tuple[int, ...]]:
-    """The chains the policy may play, checked against the pool: indices in range, strictly
-    increasing (each level a larger model than the one it verifies), at most two drafts."""
+def check_chains(policy: Policy, pool_size: int, num_models: int | None = None
+                 ) -> frozenset[tuple[int, ...]]:
+    """The chains the policy may play, checked against the pool (its ``num_models`` draft
+    models first, then the lookups): indices in range, strictly increasing (each level a
+    larger model than the one it verifies), at most two drafts, a lookup only alone."""
     if not pool_size:
         return frozenset()
-    chains = frozenset(tuple(int(m) for m in c) for c in policy.possible_chains())
+    num_models = pool_size if num_models is None else num_models
+    chains = frozenset(plays(policy))
     for c in chains:
         if (len(c) > 2 or any(not 0 <= m < pool_size for m in c)
                 or any(a >= b for a, b in zip(c, c[1:]))):
             raise ValueError(f"policy {policy.name!r} may play chain {c}, which the pool of "
                              f"{pool_size} draft(s) cannot run (pool indices, smallest model "
                              f"first, increasing, at most two drafts)")
+        if len(c) > 1 and any(m >= num_models for m in c):
+            raise ValueError(f"policy {policy.name!r} may play chain {c}: a drafter without a "
+                             f"model drafts alone, it cannot be a level of a chain")
     return chains
 
 
@@ -141,15 +152,15 @@ def engine_policy(config: EngineConfig, policy: Policy | None, target: LoadedMod
     "draft" whatever it was loaded as)."""
     policy = policy or make_policy(config.policy, config.num_speculative_tokens,
                                    **config.policy_kwargs)
-    lookup = config.speculative_method != "draft_model"
-    if not pool and not lookup and not isinstance(policy, OffPolicy):
+    lookups = config.lookups
+    if not pool and not lookups and not isinstance(policy, OffPolicy):
         policy = OffPolicy(0)
-    if lookup:
-        check_lookup_policy(policy, config.speculative_method)
-        pool_names: tuple[str, ...] = (config.speculative_method,)
-    else:
-        pool_names = tuple(m.name for m in pool) if len(pool) > 1 else ("draft",)
+    models = tuple(m.name for m in pool) if len(pool) > 1 else ("draft",) if pool else ()
+    pool_names = models + lookups
     policy.set_pool(pool_names)
+    policy.set_lookups(range(len(models), len(pool_names)))
+    if lookups and any(m >= len(models) for c in plays(policy) for m in c):
+        check_lookup_policy(policy, config.speculative_method)
     profile = getattr(policy, "profile", None)
     if isinstance(profile, StepProfile) and pool:
         profile.check_models(model_signature(target.cfg), model_signature(pool[0].cfg))
@@ -157,6 +168,13 @@ def engine_policy(config: EngineConfig, policy: Policy | None, target: LoadedMod
         raise ValueError(f"policy max_gamma={policy.max_gamma} exceeds "
                          f"num_speculative_tokens={config.num_speculative_tokens}")
     return policy, pool_names
+
+
+def plays(policy: Policy) -> set[tuple[int, ...]]:
+    """Every chain the policy may plan: its ``possible_chains`` and, for a policy that picks a
+    drafter per row (``DraftPlan.drafters``), each of those drafters alone."""
+    return ({tuple(int(m) for m in c) for c in policy.possible_chains()}
+            | {(int(d),) for d in policy.possible_drafters()})
 
 
 def make_scheduler(rc: ResolvedConfig, models: list[LoadedModel], lookahead: int

@@ -32,7 +32,8 @@ class Executor:
             return
         feed = carry
         if st.gamma:
-            feed = Drafts(st.draft_tokens, st.draft_slots, st.draft_logits, st.num_drafted)
+            feed = Drafts(st.draft_tokens, st.draft_slots, st.draft_logits, st.num_drafted,
+                          st.onehot_rows)
         st.result, st.logits = self.runner.run_verify_accept(st.batch, feed, st.sampling,
                                                              st.gamma)
 
@@ -58,7 +59,7 @@ class Executor:
         runner = self.runner
         if st.result is None:
             st.result = runner.run_accept(st.logits, st.draft_logits, st.draft_tokens,
-                                          st.num_drafted, st.sampling, st.gamma)
+                                          st.num_drafted, st.sampling, st.gamma, st.onehot_rows)
         # only when a request asked: a step without such requests runs nothing for them
         if st.wants_logprobs:
             st.logprobs = runner.run_logprobs(st.logits, st.result.tokens, st.gamma)

@@ -30,6 +30,7 @@ class RowWork:
     lookahead: int = 0  # KV slots the scheduler reserved past the token: γ may not exceed it
     gamma_planned: int = 0  # the policy's draft length, clipped (the draft loop drafts ≤ this)
     gamma_verify: int = 0  # draft slots in the verify batch (planned, or what select kept)
+    drafter: int = -1  # the pool index that drafts the row this step (-1: none)
     num_emitted: int = 0  # tokens appended at commit
 
 

@@ -75,9 +75,12 @@ def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
         if target is not None:
             raise ValueError("give the target once: target= (jspec) or model= (vLLM)")
         target = model
+    if isinstance(speculative_config, (list, tuple)):
+        return _several_drafters(target, draft, speculative_config, num_speculative_tokens)
     if speculative_config is not None:
         if not isinstance(speculative_config, dict):
-            raise ValueError(f"speculative_config must be a dict, got "
+            raise ValueError(f"speculative_config must be a dict (or a list of them, one per "
+                             f"drafter), got "
                              f"{type(speculative_config).__name__}")
         spec = dict(speculative_config)
         method = spec.pop("method", None)
@@ -124,6 +127,27 @@ def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
     return target, draft, num_speculative_tokens, options
 
 
+def _several_drafters(target, draft, configs, num_speculative_tokens: int | None):
+    """A list of speculative configs, one per drafter (e.g. ``[{"method": "draft_model",
+    "model": DIR}, {"method": "ngram"}, {"method": "suffix"}]``): one engine that may draft
+    each sequence with any of them (``speculative_method`` "draft_model+ngram+suffix"). Their
+    ``num_speculative_tokens``, where given, must agree: it is the engine's Γmax."""
+    if not configs:
+        raise ValueError("speculative_config is an empty list; give one config per drafter")
+    given = {c.get("num_speculative_tokens") for c in configs if isinstance(c, dict)} - {None}
+    if len(given) > 1:
+        raise ValueError(f"the speculative configs give num_speculative_tokens "
+                         f"{sorted(given)}; one engine has one Γmax, give the same for all")
+    methods, options = [], {}
+    for config in configs:
+        target, draft, num_speculative_tokens, more = _from_vllm_spelling(
+            target, draft, None, config, num_speculative_tokens)
+        methods.append(more.pop("speculative_method", "draft_model"))
+        options.update(more)
+    options["speculative_method"] = "+".join(methods)
+    return target, draft, num_speculative_tokens, options
+
+
 def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
                  draft: "str | os.PathLike | LoadedModel | Seq[str | os.PathLike | LoadedModel]"
                         " | None" = None,
@@ -154,8 +178,8 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         if draft is not None and not (isinstance(draft, (list, tuple)) and not draft):
             raise ValueError("a draft was given without a target; give both or neither")
         target, draft = default_pair()
-        if config.speculative_method != "draft_model":
-            draft = None  # a lookup drafts: only the built-in target loads
+        if not config.uses_draft_model:
+            draft = None  # lookups draft: only the built-in target loads
         from jspec.policies import make_policy
 
         probe = policy_obj or make_policy(config.policy, config.num_speculative_tokens,

@@ -98,6 +98,11 @@ class EngineMetrics:
         self.pool_names = tuple(self.pool_names)
         self.chain_histogram: dict[str, int] = {}
         self.chain_histogram_by_batch: dict[int, dict[str, int]] = {}
+        # per drafter (its pool name): sequence-steps it drafted, draft tokens verified and
+        # accepted (vLLM's spec_decode_* counts, split by drafter); and per batch-size bucket
+        # how many sequence-steps each drafted ("target": decoded plainly)
+        self.drafter_stats: dict[str, dict[str, int]] = {}
+        self.drafter_histogram_by_batch: dict[int, dict[str, int]] = {}
 
     def chain_label(self, chain) -> str:
         return chain_label(self.pool_names, chain)
@@ -118,10 +123,35 @@ class EngineMetrics:
             self.stage_time[stage] = self.stage_time.get(stage, 0.0) + seconds
         if outcome.num_decode:
             self.record_spec(outcome.spec_counts, outcome.batch_size)
-            label = self.chain_label(outcome.chain)
+            mixed = (not outcome.chain and outcome.drafters is not None
+                     and bool((np.asarray(outcome.drafters) >= 0).any()))
+            # a step whose sequences drafted with different drafters has no one chain
+            label = "mixed" if mixed else self.chain_label(outcome.chain)
             self.chain_histogram[label] = self.chain_histogram.get(label, 0) + 1
             hist = self.chain_histogram_by_batch.setdefault(batch_bucket(outcome.batch_size), {})
             hist[label] = hist.get(label, 0) + 1
+            self.record_drafters(outcome)
+
+    def record_drafters(self, outcome: "StepRecord") -> None:
+        """Fold in which drafter drafted each decoding sequence, and what it got accepted."""
+        drafters = outcome.drafters
+        if drafters is None:
+            return
+        drafters = np.asarray(drafters)
+        verified = np.asarray(outcome.num_verified)
+        accepted = np.minimum(np.asarray(outcome.num_accepted), verified)
+        hist = self.drafter_histogram_by_batch.setdefault(batch_bucket(outcome.batch_size), {})
+        for d in np.unique(drafters).tolist():
+            rows = drafters == d
+            name = self.pool_names[d] if d >= 0 else "target"
+            hist[name] = hist.get(name, 0) + int(rows.sum())
+            if d < 0:
+                continue
+            entry = self.drafter_stats.setdefault(
+                name, {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0})
+            entry["num_drafts"] += int(rows.sum())
+            entry["num_draft_tokens"] += int(verified[rows].sum())
+            entry["num_accepted_tokens"] += int(accepted[rows].sum())
 
     def record_spec(self, counts: SpecCounts, batch_size: int = 0) -> None:
         """Fold in one decoding step's speculation counts (``StepRecord.spec_counts``)."""
@@ -166,6 +196,9 @@ class EngineMetrics:
         out["chain_histogram"] = dict(self.chain_histogram)
         out["chain_histogram_by_batch"] = {str(b): dict(h) for b, h in
                                            sorted(self.chain_histogram_by_batch.items())}
+        out["drafter_stats"] = {name: dict(v) for name, v in self.drafter_stats.items()}
+        out["drafter_histogram_by_batch"] = {str(b): dict(h) for b, h in
+                                             sorted(self.drafter_histogram_by_batch.items())}
         out["policy_time_per_step"] = self.policy_time / self.policy_calls if self.policy_calls \
             else 0.0
         out["acceptance_rate"] = self.acceptance_rate

@@ -160,7 +160,8 @@ class AsyncSteps(SyncSteps):
         kept.view = planner.batch_view(kept)
         kept.plan = dataclasses.replace(plan, gammas=pick(plan.gammas),
                                         stop_confidence=pick(plan.stop_confidence),
-                                        stop_entropy=pick(plan.stop_entropy))
+                                        stop_entropy=pick(plan.stop_entropy),
+                                        drafters=pick(plan.drafters))
         return kept
 
     def _defers(self, st: StepState) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 from jspec import input_batch as ib
 from jspec.config import ResolvedConfig, gamma_bucket
 from jspec.policies import BatchView, DraftStats, Policy
+from jspec.proposers.mixed import MixedProposer
 from jspec.step_state import StepState
 
 
@@ -31,6 +32,7 @@ class Speculation:
     proposers: dict  # chain -> jspec.proposers.Proposer
     max_gamma: int
     drafts: bool  # False: no draft, or a policy that only ever plans γ = 0
+    num_models: int = 1  # pool indices below this are draft models; the rest are lookups
 
 
 class Planner:
@@ -74,9 +76,13 @@ class Planner:
                                 max((r.gamma_planned for r in st.decode_rows), default=0))
         st.table = ib.page_tables(st.rows, st.num_rows, self.rc.max_pages, self.block_manager)
         st.sampling = ib.sampling_tensors(st.rows, st.num_rows)
-        if not st.gamma:
-            st.chain = ()
-        st.proposer = self.spec.proposers[st.chain] if st.chain else None
+        used = sorted({r.drafter for r in st.decode_rows if r.gamma_planned > 0})
+        if not st.gamma or not used:
+            st.chain, st.proposer = (), None
+        elif st.chain:
+            st.proposer = self.spec.proposers[st.chain]
+        else:  # rows draft with different drafters (DraftPlan.drafters)
+            st.proposer = MixedProposer({d: self.spec.proposers[(d,)] for d in used})
 
     def row_bucket(self, rows, decode_idx) -> int:
         """The row bucket a step pads to; steps that carry prefill run at the widest one
@@ -112,19 +118,46 @@ class Planner:
                                f"declare draft_stops = True (the draft loop is compiled without "
                                f"confidence and entropy)")
         chain = tuple(int(m) for m in plan.chain)
-        if chain and chain not in self.spec.chains:
-            raise RuntimeError(f"policy {policy.name!r} planned chain {chain}, which is not "
-                               f"among its possible_chains() {sorted(self.spec.chains)}")
-        st.chain = chain
-        resident = self.draft_resident() and bool(chain)
-        for row, gamma in zip(decode_rows, plan.gammas.tolist()):
+        if plan.drafters is not None:
+            drafters = self._row_drafters(plan.drafters, len(decode_rows))
+        else:
+            if chain and chain not in self.spec.chains:
+                raise RuntimeError(f"policy {policy.name!r} planned chain {chain}, which is not "
+                                   f"among its possible_chains() {sorted(self.spec.chains)}")
+            drafters = np.full(len(decode_rows), chain[0] if chain else -1, np.int64)
+        resident = self.draft_resident()
+        for row, gamma, drafter in zip(decode_rows, plan.gammas.tolist(), drafters.tolist()):
             seq = row.seq
             # never draft past the request's last token or the reserved KV slots, and never
-            # while the draft is away
-            room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1 if resident else 0
+            # while the draft model is away
+            room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+            if drafter < 0 or (drafter < self.spec.num_models and not resident):
+                room = 0
             row.gamma_planned = row.gamma_verify = max(0, min(int(gamma), room, row.lookahead))
-        if not any(r.gamma_planned for r in decode_rows):
-            st.chain = ()
+            row.drafter = drafter if row.gamma_planned else -1
+        used = {r.drafter for r in decode_rows if r.gamma_planned}
+        if plan.drafters is not None:
+            chain = (used.pop(),) if len(used) == 1 else ()
+        st.chain = chain if used else ()
+
+    def _row_drafters(self, drafters, n: int) -> np.ndarray:
+        """A plan's drafter per row, checked: one per row, each among the policy's
+        ``possible_drafters``, at most one draft model among the rows."""
+        policy = self.policy
+        drafters = np.asarray(drafters, np.int64).reshape(-1)
+        if len(drafters) != n:
+            raise RuntimeError(f"policy {policy.name!r} named {len(drafters)} drafters for {n} "
+                               f"decoding sequences")
+        allowed = {c[0] for c in self.spec.chains if len(c) == 1}
+        bad = sorted(set(drafters.tolist()) - allowed - {-1})
+        if bad:
+            raise RuntimeError(f"policy {policy.name!r} named drafter {bad[0]}, which is not "
+                               f"among its possible_drafters() {sorted(allowed)}")
+        models = {int(d) for d in drafters if 0 <= d < self.spec.num_models}
+        if len(models) > 1:
+            raise RuntimeError(f"policy {policy.name!r} named draft models {sorted(models)} in "
+                               f"one step; a step drafts with one draft model at most")
+        return drafters
 
     def select(self, st: StepState) -> None:
         """Let the policy trim the verify lengths after seeing the draft (one host sync)."""
@@ -169,4 +202,13 @@ class Planner:
                  for r in decode_rows], np.int64),
             prefill_backlog_tokens=backlog_tokens,
             prefill_backlog_requests=backlog_requests,
+            lookup_lengths=self._survey(decode_rows),
         )
+
+    def _survey(self, decode_rows) -> dict[int, np.ndarray]:
+        """What each lookup would draft for each decoding row, for a policy that reads it."""
+        if not self.policy.reads_lookups or not decode_rows:
+            return {}
+        seqs = [r.seq for r in decode_rows]
+        return {i: self.spec.proposers[(i,)].survey(seqs, self.spec.max_gamma)
+                for i in self.policy.lookups if (i,) in self.spec.proposers}

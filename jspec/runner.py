@@ -136,13 +136,19 @@ class LoadedModel:
     name: str = "model"
 
 
+# How a step's drafts are verified: "dist" with the draft model's distribution q, "onehot" a
+# lookup's drafts (q one-hot on the drafted token), "mixed" both in one step (a mask per row)
+DRAFT_KINDS = ("dist", "onehot", "mixed")
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileSpec:
     """What the policy needs compiled: the γ buckets, the per-position signals it reads
     (``Policy.signals``), whether the draft loop computes its stop statistics
     (``Policy.wants_draft_stats``), the chains of pool models it may play
-    (``Policy.possible_chains``), and whether a drafter without a distribution (a lookup) may
-    draft: its steps verify with a one-hot q (``sampler.rejection_sample``)."""
+    (``Policy.possible_chains``; pool models only), and whether a drafter without a
+    distribution (a lookup) may draft: its steps verify with a one-hot q
+    (``sampler.rejection_sample``). With both, a step may mix them row by row."""
 
     gamma_buckets: tuple[int, ...] = (0,)
     signals: tuple[str, ...] = ()
@@ -183,6 +189,10 @@ class ModelRunner:
         # the chains the policy may play: what gets compiled
         self.chains = frozenset(c for c in spec.chains if c) if self.pool else frozenset()
         self.lookup = bool(spec.lookup)
+        # a pool model's drafts and a lookup's in one step: every step a pool model drafts in
+        # verifies with a one-hot mask over the rows (a lookup-only step keeps the cheaper
+        # one-hot form), so the engine compiles two kinds of drafting verification, not three
+        self.mixed = self.lookup and bool(self.chains)
         # the target's forwards in batch-invariant numerics (EngineConfig.deterministic): what
         # greedy equality with plain decoding needs; the drafts only propose, so they keep the
         # cheaper batch-dependent arithmetic
@@ -398,9 +408,9 @@ class ModelRunner:
                                 self.target, build)
 
     def verify_accept_executable(self, num_seqs: int, gamma: int, segmented: bool = False,
-                                 lookup: bool = False):
+                                 kind: str = "dist"):
         """A decode-only step (num_seqs * (1 + γ) tokens): forward and sampling in one call.
-        ``lookup``: the drafts come without a distribution (one-hot q)."""
+        ``kind`` (``DRAFT_KINDS``): the drafts' distribution."""
         num_tokens = num_seqs * (1 + gamma)
 
         def build():
@@ -410,49 +420,65 @@ class ModelRunner:
                      self._input_spec(num_tokens, num_seqs, num_seqs * (gamma + 1)),
                      self._sampling_spec(num_seqs)]
             if gamma:
-                specs.append(self._drafts_spec(num_seqs, gamma, lookup))
+                specs.append(self._drafts_spec(num_seqs, gamma, kind))
             else:  # the previous step's tokens and where they go (asynchronous scheduling)
                 specs.append(device_steps.Carried(self._sds((num_seqs, 1), jnp.int32),
                                                   self._sds((num_seqs,), jnp.int32)))
             return self._compile(fn, specs, donate_kv=True)
 
-        key = ("verify_accept", num_seqs, gamma, segmented) + (("lookup",) if lookup else ())
+        key = ("verify_accept", num_seqs, gamma, segmented) + (
+            (kind,) if gamma and kind != "dist" else ())
         return self._executable(key, self.target, build)
 
     def _target_options(self, max_q_len: int | None) -> device_steps.StepOptions:
         return device_steps.StepOptions(self.target.cfg, self._attention(max_q_len, target=True),
                                         mesh=self.mesh, batch_invariant=self.batch_invariant)
 
-    def _drafts_spec(self, num_seqs: int, gamma: int, lookup: bool = False
+    def _drafts_spec(self, num_seqs: int, gamma: int, kind: str = "dist"
                      ) -> device_steps.Drafts:
         i32 = jnp.int32
         return device_steps.Drafts(
             tokens=self._sds((num_seqs, gamma), i32), slots=self._sds((num_seqs, gamma), i32),
-            logits=None if lookup else self._sds((num_seqs, gamma, self.target.cfg.vocab_size),
-                                                 jnp.float32),
-            num_drafted=self._sds((num_seqs,), i32))
+            logits=None if kind == "onehot" else self._sds(
+                (num_seqs, gamma, self.target.cfg.vocab_size), jnp.float32),
+            num_drafted=self._sds((num_seqs,), i32),
+            onehot=self._sds((num_seqs,), jnp.bool_) if kind == "mixed" else None)
 
-    def accept_executable(self, num_seqs: int, gamma: int, lookup: bool = False):
-        """Rejection sampling (γ > 0) or plain sampling (γ = 0) of the verify logits;
-        ``lookup``: of drafts without a distribution (one-hot q)."""
+    def accept_executable(self, num_seqs: int, gamma: int, kind: str = "dist"):
+        """Rejection sampling (γ > 0) or plain sampling (γ = 0) of the verify logits; ``kind``
+        (``DRAFT_KINDS``): the drafts' distribution."""
         def build():
             vocab = self.target.cfg.vocab_size
             logits = self._sds((num_seqs * (gamma + 1), vocab), jnp.float32)
             if not gamma:
                 return self._compile(sample_tokens, (logits, self._sampling_spec(num_seqs)))
-            draft_logits = None if lookup else self._sds((num_seqs, gamma, vocab), jnp.float32)
-            specs = (
-                logits,
-                draft_logits,
-                self._sds((num_seqs, gamma), jnp.int32),
-                self._sds((num_seqs,), jnp.int32),
-                self._sampling_spec(num_seqs),
-            )
+            draft_logits = None if kind == "onehot" else self._sds((num_seqs, gamma, vocab),
+                                                                   jnp.float32)
+            specs = [logits, draft_logits, self._sds((num_seqs, gamma), jnp.int32),
+                     self._sds((num_seqs,), jnp.int32), self._sampling_spec(num_seqs)]
+            if kind == "mixed":
+                specs.append(self._sds((num_seqs,), jnp.bool_))
+                return self._compile(device_steps.accept_mixed, specs)
             return self._compile(rejection_sample, specs)
 
         key = ("accept", num_seqs, gamma, self.target.cfg.vocab_size) + (
-            ("lookup",) if lookup and gamma else ())
+            (kind,) if gamma and kind != "dist" else ())
         return self._executable(key, None, build)
+
+    def draft_kind(self, draft_logits) -> str:
+        """The verification a step's drafts take (``DRAFT_KINDS``): "onehot" for a lookup's
+        alone, "mixed" for a pool model's in an engine that mixes them with lookups, else
+        "dist"."""
+        if draft_logits is None:
+            return "onehot"
+        return "mixed" if self.mixed else "dist"
+
+    def verify_kinds(self) -> list[str]:
+        """The kinds of drafting verification this engine compiles."""
+        kinds = ["onehot"] if self.lookup else []
+        if self.chains:
+            kinds.append("mixed" if self.mixed else "dist")
+        return kinds
 
     @property
     def logprobs_width(self) -> int:
@@ -573,8 +599,11 @@ class ModelRunner:
         ``feed``: the step's ``device_steps.Drafts`` (γ > 0), or at γ = 0 the previous step's
         tokens (``device_steps.Carried``) or None (every row feeds the host's token)."""
         num_seqs = batch.attn.kv_lens.shape[0]
-        lookup = isinstance(feed, device_steps.Drafts) and feed.logits is None
-        exe = self.verify_accept_executable(num_seqs, gamma, self._segmented, lookup)
+        kind = "dist"
+        if isinstance(feed, device_steps.Drafts):
+            kind = self.draft_kind(feed.logits)
+            feed = dataclasses.replace(feed, onehot=self._onehot(feed.onehot, num_seqs, kind))
+        exe = self.verify_accept_executable(num_seqs, gamma, self._segmented, kind)
         if feed is None:
             feed = self._no_carry(num_seqs)
         result, logits, self.target_kv = exe(self.target.params, self.target_kv, batch, st,
@@ -588,11 +617,24 @@ class ModelRunner:
                 np.zeros((num_seqs, 1), np.int32), np.full(num_seqs, -1, np.int32))
         return carried
 
+    @staticmethod
+    def _onehot(rows, num_seqs: int, kind: str):
+        """The per-row one-hot mask a "mixed" verification takes (none drafted by lookup when
+        the step has no mask); None for the other kinds."""
+        if kind != "mixed":
+            return None
+        return np.zeros(num_seqs, np.bool_) if rows is None else rows
+
     def run_accept(self, logits, draft_logits, draft_tokens, num_drafted, st: SamplingTensors,
-                   gamma: int) -> VerifyResult:
-        exe = self.accept_executable(st.temperature.shape[0], gamma, draft_logits is None)
+                   gamma: int, onehot=None) -> VerifyResult:
+        num_seqs = st.temperature.shape[0]
+        kind = self.draft_kind(draft_logits) if gamma else "dist"
+        exe = self.accept_executable(num_seqs, gamma, kind)
         if not gamma:
             return exe(logits, st)
+        if kind == "mixed":
+            return exe(logits, draft_logits, draft_tokens, num_drafted, st,
+                       self._onehot(onehot, num_seqs, kind))
         return exe(logits, draft_logits, draft_tokens, num_drafted, st)
 
     def run_signals(self, logits, draft_logits, draft_tokens, gamma: int) -> dict:
@@ -785,7 +827,7 @@ class ModelRunner:
 
         Decode-only steps: per (row bucket s, γ bucket g) one verify-and-sample of s * (1 + g)
         tokens (for g > 0 one per kind of draft: a pool model's, with its distribution, and a
-        lookup's, one-hot), the draft loop (g > 0) and the policy's signals if it reads any. Steps that
+        lookup's, one-hot, or both mixed row by row), the draft loop (g > 0) and the policy's signals if it reads any. Steps that
         carry prefill, at the widest row bucket: a verify per (token bucket t, g) and a
         sampling per g (g = 0 only when one sequence runs at a time). Draft catch-up: two
         widths (``catch_up_buckets``) at the widest row bucket. With elastic memory the
@@ -795,9 +837,9 @@ class ModelRunner:
         rc = self.rc
         drafting = ([g for g in self.gamma_buckets if g > 0]
                     if self.chains or self.lookup else [])
-        # the verifications of drafts with a distribution (pool models) and without (lookups)
-        dist = drafting if self.chains else []
-        onehot = drafting if self.lookup else []
+        # the verifications of drafts with a distribution (pool models), without (lookups),
+        # and of steps that mix the two row by row
+        kinds = self.verify_kinds()
         gammas = [0] + drafting
         widest = rc.seq_buckets[-1]
         rows = rc.seq_buckets
@@ -806,8 +848,8 @@ class ModelRunner:
         plan = []
         for s in rows:
             plan += [("verify_accept", s, 0)]
-            plan += [("verify_accept", s, g, False, True) for g in onehot]
-            plan += [("verify_accept", s, g) for g in dist]
+            plan += [("verify_accept", s, g) + ((False, k) if k != "dist" else ())
+                     for k in kinds for g in drafting]
             plan += [("draft", s, g, m) for g in drafting for m in self.drafters]
             plan += [("intermediate", s, g, m) for g in drafting for m in self.intermediates]
             if self.signals:
@@ -819,8 +861,8 @@ class ModelRunner:
         plan += [("verify", t, widest, g) for g in mixed for t in rc.token_buckets]
         plan += [("accept", widest, 0)]
         if rc.engine.max_num_seqs >= 2:
-            plan += [("accept", widest, g) for g in dist]
-            plan += [("accept", widest, g, True) for g in onehot]
+            plan += [("accept", widest, g) + ((k,) if k != "dist" else ())
+                     for k in kinds for g in drafting]
         if drafting:
             plan += [("catch_up", t, m) for m in sorted({m for c in self.chains for m in c})
                      for t in self.catch_up_buckets]

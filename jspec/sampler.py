@@ -213,6 +213,7 @@ def rejection_sample(
     num_drafted: jax.Array,
     st: SamplingTensors,
     streams: tuple[int, int] = (1, 2),
+    onehot_rows: jax.Array | None = None,
 ) -> VerifyResult:
     """target_logits [S, G+1, V] (or the verify forward's flat [S*(G+1), V]); draft_logits
     [S, G, V], or None for drafts that come without a distribution (a lookup: n-gram, suffix),
@@ -224,6 +225,9 @@ def rejection_sample(
     draw. An intermediate level of a chain verifies with streams of its own, so its decisions
     are independent of the target's (shared uniforms would correlate the two levels' accepts
     and bias the output).
+
+    ``onehot_rows`` [S] bool: in a step that mixes drafts with a distribution and without, the
+    rows drafted without one: their q is one-hot (their ``draft_logits`` rows are ignored).
 
     The runner compiles this apart from the target forward, per (sequences, γ) bucket only:
     sampling costs far more to compile than the forward, which also varies with the token bucket.
@@ -254,20 +258,28 @@ def rejection_sample(
         else:
             logq = processed_logprobs(draft_logits, st)  # [S, G, V]
             q_tok = jnp.take_along_axis(logq, draft_tokens[..., None], axis=-1)[..., 0]
+            if onehot_rows is not None:
+                q_tok = jnp.where(onehot_rows[:, None], 0.0, q_tok)
         uniforms = row_uniforms(st, stream=streams[0], count=gamma)
         final_u = row_uniforms(st, stream=streams[1], count=1)[:, 0]
         # accept iff u * q <= p  (i.e. u <= p/q), computed in log space
         ok = (jnp.log(uniforms) + q_tok <= p_tok) & drafted
         n = first_false(ok)
         p_n = jnp.exp(jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0])  # [S, V]
-        if draft_logits is None:
+
+        def onehot_q():
             # max(0, p − δ_x) is p with the rejected token x removed (p(x) ≤ 1)
             pad = jnp.concatenate([draft_tokens, jnp.full((num_rows, 1), -1, jnp.int32)], axis=1)
             x_n = jnp.take_along_axis(pad, n[:, None], axis=1)
-            q_n = (jnp.arange(vocab)[None, :] == x_n).astype(p_n.dtype)
+            return (jnp.arange(vocab)[None, :] == x_n).astype(p_n.dtype)
+
+        if draft_logits is None:
+            q_n = onehot_q()
         else:
             q_pad = jnp.concatenate([jnp.exp(logq), jnp.zeros((num_rows, 1, vocab))], axis=1)
             q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
+            if onehot_rows is not None:
+                q_n = jnp.where(onehot_rows[:, None], onehot_q(), q_n)
         rejected = (n < num_drafted)[:, None]
         residual = jnp.where(rejected, jnp.maximum(p_n - q_n, 0.0), p_n)
         # p == q exactly leaves no residual mass; then sampling from p is the right limit

@@ -58,8 +58,10 @@ def _signal_reader(st: "StepState", fetched: "Fetched", verified: np.ndarray, ma
     return signal
 
 
-def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", scheduler
-                 ) -> StepRecord:
+def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", scheduler,
+                 num_models: int = 1) -> StepRecord:
+    """The step's record; ``num_models``: the pool indices below it are draft models (the
+    rest lookups, which run no draft forward)."""
     idx = st.decode_idx
     decode_rows = st.decode_rows
     n = len(decode_rows)
@@ -72,6 +74,10 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
     accepted = np.minimum(fetched.result.num_accepted[idx], verified)
     extra = st.proposer.record(st, idx) if gamma and st.proposer is not None else {}
     emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
+    drafters = np.array([r.drafter if gamma else -1 for r in decode_rows], np.int64)
+    by_model = (drafters >= 0) & (drafters < num_models)
+    model_forwards = int(np.max(np.asarray(extra.get("num_drafted", num_drafted))[by_model],
+                                initial=0))
     counts = SpecCounts.count(planned, verified, accepted, emitted, max_gamma) if n else None
     signal = _signal_reader(st, fetched, verified, max_gamma)
     t = clock.times
@@ -90,4 +96,4 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
         num_padded_tokens=st.num_padded_tokens,
         num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
         chain=st.chain if gamma else (), intermediate_time=t["intermediate"],
-        spec_counts=counts, **extra)
+        spec_counts=counts, drafters=drafters, model_forwards=model_forwards, **extra)

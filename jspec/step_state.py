@@ -33,7 +33,9 @@ class StepState:
     plan: DraftPlan | None = None
     gamma: int = 0  # the γ bucket: 0 means no draft work and no draft tensors at all
     chain: tuple[int, ...] = ()  # the pool models drafting this step (DraftPlan.chain)
-    proposer: Any = None  # the chain's jspec.proposers.Proposer (None when nothing drafts)
+    # the step's jspec.proposers.Proposer (None when nothing drafts): the chain's, or one that
+    # runs each row's drafter (DraftPlan.drafters)
+    proposer: Any = None
     table: np.ndarray | None = None  # page table [num_rows, max_pages]
     sampling: Any = None  # SamplingTensors [num_rows]
     draft: Any = None  # DraftResult (device), when the step drafted
@@ -42,6 +44,9 @@ class StepState:
     # verdict (device_steps.IntermediateResult); ``draft`` then holds the middle model's draft
     first_drafted: Any = None
     intermediate: Any = None
+    # a step whose rows draft with different drafters: the rows a lookup drafted [num_rows]
+    # (one-hot q; None when every row's drafts have a distribution, or none has)
+    onehot_rows: np.ndarray | None = None
     draft_inputs: Any = None  # the draft loop's DraftInputs (benchmarks replay them)
     batch: Any = None  # the verify batch (ModelInput, drafts as placeholders)
     draft_slots: np.ndarray | None = None  # [num_rows, γ] where each draft goes in ``batch``

@@ -33,14 +33,38 @@ from typing import Any
 
 import numpy as np
 
-from jspec.policies.base import BatchView
+from jspec.policies.base import BatchView, DraftPlan
+from jspec.policies.drafter_choice import DrafterChoice
 from jspec.policies.dsd import DSDPolicy
+from jspec.policies.measured_time import StepLine
 
 
 class AutoPolicy(DSDPolicy):
     name = "auto"
     # no start-up profile: until the run's own steps price every γ, it speculates at Γmax
     needs_profile = False
+    _choice: DrafterChoice | None = None  # with drafters without a model (set_lookups)
+
+    @property
+    def reads_lookups(self) -> bool:
+        return bool(self.lookups)
+
+    def set_lookups(self, indices) -> None:
+        super().set_lookups(indices)
+        self._choice = DrafterChoice(self.max_gamma, self.alpha0, self.confidence_z) \
+            if self.lookups else None
+        self._line = StepLine(with_draft=self.model is not None)
+
+    @property
+    def model(self) -> int | None:
+        """The draft model's pool index (the pool's first model), None without one."""
+        models = [i for i in range(len(self.pool)) if i not in self.lookups]
+        return models[0] if models else None
+
+    def possible_drafters(self) -> set[int]:
+        if not self.lookups:
+            return set()
+        return set(self.lookups) | ({self.model} if self.model is not None else set())
 
     def goodputs(self, view: BatchView) -> np.ndarray:
         """DSD's predicted goodput per γ; before the run can price every γ, Γmax ranks first
@@ -49,12 +73,48 @@ class AutoPolicy(DSDPolicy):
             return super().goodputs(view)
         return (np.arange(self.max_gamma + 1) == self.max_gamma).astype(np.float64)
 
+    def plan(self, view: BatchView) -> DraftPlan:
+        if self._choice is None:
+            return super().plan(view)
+        n = view.num_decode
+        if n == 0 or self.max_gamma == 0 or view.prefill_bound:
+            return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
+        model = self.model if view.draft_resident else None
+        buckets = tuple(b for b in (self.gamma_buckets or range(self.max_gamma + 1)) if b > 0)
+        return self._choice.plan(view, model, self.lookups, buckets,
+                                 self._step_time(view, model is not None))
+
+    def _step_time(self, view: BatchView, with_model: bool):
+        """T(g, f): a decode step verified at bucket g in which the draft model runs f
+        forwards, from the run's own whole-step line (``StepLine``); None for all until it
+        can tell the costs apart."""
+        n = view.num_decode
+        line = self._line
+
+        def step_time(g: int, forwards: int) -> float | None:
+            return line.time(n * (g + 1), forwards if with_model else 0)
+
+        return step_time
+
+    def observe(self, outcome) -> None:
+        super().observe(outcome)
+        if self._choice is not None:
+            self._choice.observe(outcome)
+            self._line.observe(outcome)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.name, **super().state_dict()}
+        out = {"policy": self.name, **super().state_dict()}
+        if self._choice is not None:
+            out["drafters"] = self._choice.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):
             raise ValueError(f"auto state must be a dict, got {type(state).__name__}")
         if state.get("policy") != self.name:
             raise ValueError(f"state belongs to policy {state.get('policy')!r}, not 'auto'")
-        super().load_state_dict({k: v for k, v in state.items() if k != "policy"})
+        drafters = state.get("drafters")
+        if drafters is not None and self._choice is not None:
+            self._choice.load_state_dict(drafters)
+        super().load_state_dict({k: v for k, v in state.items()
+                                 if k not in ("policy", "drafters")})

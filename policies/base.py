@@ -53,6 +53,9 @@ class BatchView:
     # free one waiting for them (not those queued for a slot), and how many such requests
     prefill_backlog_tokens: int = 0
     prefill_backlog_requests: int = 0
+    # per lookup drafter (pool index): how many tokens it would draft now for each sequence,
+    # at most Γmax; given to a policy that reads them (``Policy.reads_lookups``)
+    lookup_lengths: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def num_decode(self) -> int:
@@ -81,7 +84,8 @@ class DraftPlan:
     ``chain`` holds indices into the engine's draft pool (``Policy.pool``, smallest model
     first): ``(i,)`` lets model i draft for the target, ``(i, j)`` (i < j) lets i draft and j
     verify i's draft before the target does (SpecRouter's multi-level chain), ``()`` runs the
-    target alone (the gammas are then ignored: nothing drafts). One chain serves the whole step.
+    target alone (the gammas are then ignored: nothing drafts). One chain serves the whole step,
+    unless ``drafters`` names a drafter per sequence.
 
     ``stop_confidence[i]``: stop drafting sequence i once the product of its draft confidences
     q(x_1)..q(x_j) falls below this (0 never stops). ``stop_entropy[i]``: stop once a draft
@@ -93,6 +97,10 @@ class DraftPlan:
     chain: tuple[int, ...] = (0,)
     stop_confidence: np.ndarray | None = None
     stop_entropy: np.ndarray | None = None
+    # [n] int: the pool index that drafts each sequence (one drafter alone, no chain), for a
+    # policy that picks the drafter per sequence (``Policy.possible_drafters``); ``chain`` is
+    # then ignored. At most one draft model per step; any number of lookups beside it.
+    drafters: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -145,6 +153,19 @@ class StepOutcome:
     intermediate_time: float = 0.0
     intermediate_accepted: np.ndarray | None = None
     intermediate_accept_prob: np.ndarray | None = None
+    # [n] the pool index that drafted each sequence (-1: it did not draft; a chain's rows name
+    # its first model); None where not recorded (then ``chain`` says it for every row)
+    drafters: np.ndarray | None = None
+    # draft forwards a draft model ran (its longest draft); None: not recorded, the step's
+    # longest draft stands in (every drafting row used the draft model)
+    model_forwards: int | None = None
+
+    @property
+    def draft_forwards(self) -> int:
+        """The draft model's forwards this step (its draft loop's iterations)."""
+        if self.model_forwards is not None:
+            return int(self.model_forwards)
+        return int(np.max(self.num_drafted, initial=0))
 
     @property
     def num_decode(self) -> int:
@@ -262,6 +283,11 @@ class Policy(abc.ABC):
     # ``wants_pool``: the policy runs chains over several drafts; with no models given the
     # engine loads the built-in pool's middle model too (jspec.llm.build_engine).
     wants_pool: bool = False
+    # The pool indices that are drafters without a model (``set_lookups``: after the draft
+    # models in the pool), and whether the policy reads what each would draft before the step
+    # (``BatchView.lookup_lengths``: the lookups run at plan time, their drafts kept for the step)
+    lookups: tuple[int, ...] = ()
+    reads_lookups: bool = False
     # The γ values the engine compiled its steps for (``set_gamma_buckets``): a step runs at
     # the smallest bucket ≥ its largest γ, and its target forward is as wide as that bucket for
     # every decoding row (γ = 3 in a bucket of 4 pays for 4). None: every γ its own shape.
@@ -317,10 +343,19 @@ class Policy(abc.ABC):
         """The engine's draft pool (model names, smallest first), set before the first plan."""
         self.pool = tuple(names)
 
+    def set_lookups(self, indices) -> None:
+        """The pool indices of the drafters without a model, set after ``set_pool``."""
+        self.lookups = tuple(int(i) for i in indices)
+
     def possible_chains(self) -> set[tuple[int, ...]]:
         """Every chain this policy may plan (the engine compiles the intermediate levels only
         for these). Single-draft policies draft with the pool's first model."""
         return {(0,)}
+
+    def possible_drafters(self) -> set[int]:
+        """The pool indices this policy may name per row (``DraftPlan.drafters``); none for a
+        policy that drafts a whole step with one chain."""
+        return set()
 
     @property
     def step_profile(self) -> Any:

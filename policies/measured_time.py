@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jspec.policies.base import StepOutcome
-from jspec.policies.prefill_cost import PrefillCost
+from jspec.policies.prefill_cost import _MIN_REL_SPREAD, PrefillCost
 
 _DRAFT_DECAY = 0.99  # weight of older draft-loop timings, per step that drafted
 
@@ -34,7 +34,7 @@ class MeasuredTime:
 
     def observe(self, outcome: StepOutcome) -> None:
         self._target.observe(outcome)
-        forwards = int(np.max(outcome.num_drafted, initial=0))
+        forwards = outcome.draft_forwards
         if outcome.draft_time > 0 and forwards > 0:
             self._draft = [_DRAFT_DECAY * self._draft[0] + outcome.draft_time,
                            _DRAFT_DECAY * self._draft[1] + forwards]
@@ -66,3 +66,61 @@ class MeasuredTime:
             raise ValueError(f"measured time has {len(draft)} draft sums, expected 2")
         self._target.load_state_dict(state["target"])
         self._draft = draft
+
+
+_MIN_STEPS = 5.0  # decayed steps before a fit is trusted
+_MIN_KIND = 2.0  # decayed steps with and without the draft model before its cost is told
+
+
+class StepLine:
+    """A decoding step's whole time as a + b·w + c·F, fitted online by least squares over
+    exponentially decayed sums: w the verify forward's padded width, F the draft model's
+    forwards in the step (``StepOutcome.draft_forwards``; 0 when it did not run).
+
+    Where the draft loop's device time lands among a step's stages depends on what syncs
+    (unsynced, it shows up in the target's pass), so its cost is read from whole steps with and
+    without it rather than from the draft stage's clock. ``with_draft`` False: no draft model,
+    the line a + b·w alone."""
+
+    def __init__(self, with_draft: bool, decay: float = _DRAFT_DECAY):
+        self.with_draft = with_draft
+        self.decay = decay
+        k = 3 if with_draft else 2
+        self.xx = np.zeros((k, k))
+        self.xy = np.zeros(k)
+        self.kinds = [0.0, 0.0]  # decayed steps without and with the draft model
+
+    def observe(self, outcome: StepOutcome) -> None:
+        w = float(outcome.num_padded_tokens)
+        if w <= 0 or outcome.step_time <= 0:
+            return
+        forwards = float(outcome.draft_forwards) if self.with_draft else 0.0
+        x = np.array([1.0, w, forwards][:len(self.xy)])
+        self.xx = self.decay * self.xx + np.outer(x, x)
+        self.xy = self.decay * self.xy + x * outcome.step_time
+        self.kinds = [self.decay * c for c in self.kinds]
+        self.kinds[forwards > 0] += 1.0
+
+    def coefficients(self) -> np.ndarray | None:
+        """(a, b[, c]) once the steps seen tell them apart, else None."""
+        n = self.xx[0, 0]
+        if n < _MIN_STEPS:
+            return None
+        mean_w = self.xx[0, 1] / n
+        if self.xx[1, 1] / n - mean_w * mean_w <= (_MIN_REL_SPREAD * mean_w) ** 2:
+            return None
+        if self.with_draft and min(self.kinds) < _MIN_KIND:
+            return None
+        scale = np.sqrt(np.diag(self.xx))  # solve in units where the columns are comparable
+        try:
+            beta = np.linalg.solve(self.xx / np.outer(scale, scale), self.xy / scale) / scale
+        except np.linalg.LinAlgError:
+            return None
+        return np.maximum(beta, 0.0)
+
+    def time(self, width, forwards=0) -> float | None:
+        beta = self.coefficients()
+        if beta is None:
+            return None
+        out = beta[0] + beta[1] * float(width)
+        return float(out + (beta[2] * float(forwards) if self.with_draft else 0.0))

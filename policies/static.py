@@ -6,6 +6,8 @@ import numpy as np
 
 from jspec.policies.base import BatchView, DraftPlan, Policy, option_int
 
+_LOOKUPS = ("ngram", "suffix")  # drafters without a model (jspec.config.LOOKUP_METHODS)
+
 
 class StaticPolicy(Policy):
     """``chain``: which pool models draft, as their names joined by '>' in the order they run
@@ -25,8 +27,8 @@ class StaticPolicy(Policy):
         self.chain_names = None if chain is None else tuple(
             n.strip() for n in chain.split(">"))
         self.chain = (0,)  # resolved against the engine's pool in set_pool
-        # a chain naming more than the first draft needs the built-in pool's middle model
-        self.wants_pool = self.chain_names not in (None, ("draft",))
+        # a chain naming a model beyond the first draft needs the built-in pool's middle model
+        self.wants_pool = any(n not in ("draft",) + _LOOKUPS for n in self.chain_names or ())
 
     def set_pool(self, names: tuple[str, ...]) -> None:
         super().set_pool(names)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import numpy as np
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -137,6 +138,16 @@ class ServerMetrics:
             "jspec_spec_decode_chain_steps", "Decoding steps by the chain of models that "
             "drafted (SpecRouter; 'target' = no draft) and the batch-size bucket",
             ["chain", "batch_bucket"], registry=r)
+        self.drafter_drafts = Counter(
+            "jspec_spec_decode_drafter_drafts", "Sequence-steps drafted, by drafter (its pool "
+            "name: a draft model, ngram, suffix; 'target' = decoded plainly) and the "
+            "batch-size bucket", ["drafter", "batch_bucket"], registry=r)
+        self.drafter_draft_tokens = Counter(
+            "jspec_spec_decode_drafter_draft_tokens", "Draft tokens verified, by drafter",
+            ["drafter"], registry=r)
+        self.drafter_accepted_tokens = Counter(
+            "jspec_spec_decode_drafter_accepted_tokens", "Draft tokens accepted, by drafter",
+            ["drafter"], registry=r)
         self.gamma_last_step = Gauge("jspec_spec_decode_gamma_last_step", "Mean γ the policy "
                                      "chose for the decoding sequences of the latest step",
                                      registry=r)
@@ -278,13 +289,30 @@ class ServerMetrics:
             return
         self.gamma_last_step.set(float(o.gammas.mean()))
         bucket = batch_bucket(o.batch_size)
-        key = (o.chain, bucket)
+        mixed = not o.chain and o.drafters is not None and bool((o.drafters >= 0).any())
+        key = ("mixed" if mixed else o.chain, bucket)
         child = self._chains.get(key)
         if child is None:
-            label = chain_label(self._pool, o.chain)
+            label = "mixed" if mixed else chain_label(self._pool, o.chain)
             child = self._chains[key] = self.spec_chain.labels(label, str(bucket))
         child.inc()
         self._observe_spec(o.spec_counts, bucket)
+        self._observe_drafters(o, bucket)
+
+    def _observe_drafters(self, o: StepRecord, bucket: int) -> None:
+        """Which drafter drafted each sequence and what it got accepted (the same split as
+        ``EngineMetrics.drafter_stats``)."""
+        if o.drafters is None:
+            return
+        verified = np.asarray(o.num_verified)
+        accepted = np.minimum(np.asarray(o.num_accepted), verified)
+        for d in np.unique(o.drafters).tolist():
+            rows = o.drafters == d
+            name = self._pool[d] if 0 <= d < len(self._pool) else "target"
+            self.drafter_drafts.labels(name, str(bucket)).inc(int(rows.sum()))
+            if d >= 0:
+                self.drafter_draft_tokens.labels(name).inc(int(verified[rows].sum()))
+                self.drafter_accepted_tokens.labels(name).inc(int(accepted[rows].sum()))
 
     def _observe_spec(self, counts: SpecCounts, bucket: int) -> None:
         """Fold in one decoding step's speculation counts (the ones EngineMetrics adds up)."""

@@ -154,6 +154,9 @@ def test_ngram_drafts_without_a_draft_model(capsys, tiny_pair):
                            "--speculative-method", "ngram", "--no-progress")
     assert code == 2 and "error: --speculative-method ngram drafts by lookup and takes no " \
                          "--draft" in err
+    code, _, err = run_cli(capsys, "--target", tiny_pair[0], "--speculative-method",
+                           "ngram+sufix", "--no-progress")
+    assert code == 2 and "speculative_method names 'sufix'; each drafter must be one of" in err
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -284,12 +284,18 @@ def test_lookup_configuration_errors(engine_models):
         make_engine(target, None, make_policy("dsde", 7), speculative_method="ngram")
     with pytest.raises(ValueError, match="policy 'dsd' needs a draft model's step-time profile"):
         make_engine(target, None, make_policy("dsd", 7), speculative_method="ngram")
-    with pytest.raises(ValueError, match="elastic_memory offloads a draft model"):
-        make_engine(target, None, speculative_method="ngram", elastic_memory=True)
+    with pytest.raises(ValueError, match="elastic_memory offloads the draft model; it does not "
+                                         "run beside a drafter without one"):
+        make_engine(target, draft, speculative_method="draft_model+ngram", elastic_memory=True)
+    with pytest.raises(ValueError, match="names 'draft_model', but no draft model was given"):
+        make_engine(target, None, speculative_method="draft_model+suffix")
+    with pytest.raises(ValueError, match="'ngram\\+ngram' names a drafter twice"):
+        EngineConfig(speculative_method="ngram+ngram")
     with pytest.raises(ValueError, match="1 <= prompt_lookup_min <= prompt_lookup_max, got 3 "
                                          "and 2"):
         EngineConfig(prompt_lookup_min=3, prompt_lookup_max=2)
-    with pytest.raises(ValueError, match="speculative_method must be one of"):
+    with pytest.raises(ValueError, match="speculative_method names 'suffix-tree'; each drafter "
+                                         "must be one of"):
         EngineConfig(speculative_method="suffix-tree")
     with pytest.raises(ValueError, match="suffix_decoding_min_token_prob must be in"):
         EngineConfig(suffix_decoding_min_token_prob=1.5)

@@ -397,6 +397,9 @@ def test_metrics_exposition(server, client):
     assert any(k.startswith("jspec_spec_decode_gamma_by_batch_total{batch_bucket=") for k in m)
     chains = {k: v for k, v in m.items() if k.startswith("jspec_spec_decode_chain_steps_total")}
     assert any('chain="draft>target"' in k for k in chains) and sum(chains.values()) > 0
+    drafted = [k for k in m if k.startswith("jspec_spec_decode_drafter_draft_tokens_total")]
+    assert drafted == ['jspec_spec_decode_drafter_draft_tokens_total{drafter="draft"}']
+    assert m[drafted[0]] == m["jspec_spec_decode_num_draft_tokens_total"]
     assert m['jspec_http_requests_total{code="200",endpoint="/v1/completions"}'] >= 1
     assert m['jspec_request_finished_total{reason="length"}'] >= 1
     assert m["jspec_num_requests_waiting"] == 0 and m["jspec_num_requests_running"] == 0

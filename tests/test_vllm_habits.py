@@ -89,6 +89,18 @@ def test_engine_options_are_checked_by_name():
         _from_vllm_spelling(None, None, "m", {"method": "suffix", "model": "d"}, None)
     with pytest.raises(ValueError, match="key 'x' is not supported; .*prompt_lookup_max"):
         _from_vllm_spelling(None, None, "m", {"method": "ngram", "x": 1}, None)
+    # one config per drafter: one engine that may draft each sequence with any of them
+    assert _from_vllm_spelling(None, None, "m", [
+        {"method": "draft_model", "model": "d", "num_speculative_tokens": 5},
+        {"method": "ngram", "prompt_lookup_max": 3}, {"method": "suffix"}], None) == (
+        "m", "d", 5, {"speculative_method": "draft_model+ngram+suffix",
+                      "prompt_lookup_min": 3, "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="give num_speculative_tokens \\[3, 5\\]; one engine"):
+        _from_vllm_spelling(None, None, "m", [{"model": "d", "num_speculative_tokens": 5},
+                                              {"method": "ngram", "num_speculative_tokens": 3}],
+                            None)
+    with pytest.raises(ValueError, match="empty list"):
+        _from_vllm_spelling(None, None, "m", [], None)
 
 
 def test_progress_reports_this_call_not_the_engines_lifetime(tiny_llm):

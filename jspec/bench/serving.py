@@ -17,9 +17,11 @@ catch-up's share of it, its batch size and decoding sequences, the γ the policy
 (summed, with the max), verified / accepted / emitted tokens, prefill, total and padded tokens,
 and the running and waiting queues' lengths.
 
-Workloads (``--workload``, ``jspec.bench.workloads``): code, spec-bench, alpaca and sharegpt are
-single requests; ``multiturn`` is conversations, each arrival the start of one (``--num-requests``
-counts conversations). Its driver is closed-loop per conversation: turn k+1 is sent ``--think-time``
+Workloads (``--workload``, ``jspec.bench.workloads``): code, code-continuation (held-out functions
+cut part way through their body), spec-bench, alpaca, sharegpt and mixed (every prompt of
+spec-bench, sharegpt, code and code-continuation, each keeping its category; ``--category`` picks
+among them) are single requests; ``multiturn`` is conversations, each arrival the start of one
+(``--num-requests`` counts conversations). Its driver is closed-loop per conversation: turn k+1 is sent ``--think-time``
 seconds after turn k's last chunk arrived, its prompt the token ids of turn k's prompt + turn k's
 output (the engine's own answer, as a chat client resends it) + the new user message wrapped as
 ``"\\n\\nUser: {msg}\\n\\nAssistant:"``, so every turn's prompt starts with the previous one bit for
@@ -67,8 +69,9 @@ later turns, and the later turns' relative to the first run) and, with ``--out``
 config, workload, arrivals, and per policy run the metrics, γ per batch-size bucket, the binned time
 series, the per-step records and the per-request records (arrival, chunk times and token counts,
 finish, speculation counters; multiturn: conversation and turn, and per conversation its turns'
-prompt and output lengths), and with ``--prefix-caching both`` the ``prefix_cache_comparison``
-ratios. ``--plot DIR`` draws ``jspec.bench.plots``' figures.
+prompt and output lengths; with prompts of several categories, the metrics' ``by_category``:
+acceptance and TPOT per category), and with ``--prefix-caching both`` the
+``prefix_cache_comparison`` ratios. ``--plot DIR`` draws ``jspec.bench.plots``' figures.
 """
 
 from __future__ import annotations
@@ -88,9 +91,10 @@ from typing import Any
 from jspec.bench import arrivals as arr
 from jspec.bench import workloads as wl
 from jspec.cli_common import add_tensor_parallel_argument
-from jspec.config import SPECULATIVE_METHODS
-from jspec.bench.serving_metrics import (RequestRecord, StepRecords, compute_metrics,
-                                         gamma_by_batch, summarize, time_series, turn_metrics)
+from jspec.config import parse_methods
+from jspec.bench.serving_metrics import (RequestRecord, StepRecords, category_metrics,
+                                         compute_metrics, gamma_by_batch, summarize,
+                                         time_series, turn_metrics)
 
 FORMAT = "jspec-serving-bench-v1"
 ARRIVALS = ("poisson", "batch", "step", "burst", "trace")
@@ -183,13 +187,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     work = p.add_argument_group("workload")
     work.add_argument("--workload", choices=wl.WORKLOADS, default="code",
-                      help="prompt source (default: %(default)s); multiturn: conversations, "
-                           "each user turn sent when the previous one's answer has streamed "
-                           "back, its prompt the whole conversation so far (see --turns)")
+                      help="prompt source (default: %(default)s); code-continuation: held-out "
+                           "functions cut part way through their body; mixed: spec-bench, "
+                           "sharegpt, code and code-continuation together; multiturn: "
+                           "conversations, each user turn sent when the previous one's answer "
+                           "has streamed back, its prompt the whole conversation so far (see "
+                           "--turns)")
     work.add_argument("--category", metavar="NAME[,NAME...]", default=None,
                       help="only the workload's prompts of these categories (Spec-Bench: "
                            "summarization and rag are input-grounded; translation, qa, "
-                           "math_reasoning and the MT-Bench ten are not)")
+                           "math_reasoning and the MT-Bench ten are not; mixed: those, "
+                           "sharegpt, code and code-continuation)")
     work.add_argument("--workload-file", metavar="PATH",
                       help="the workload's data file (default: the shared data directory's)")
     work.add_argument("--max-tokens", type=int, default=128,
@@ -300,9 +308,10 @@ def parse_policies(specs: list[str], options: list[str], max_gamma: int) -> list
             opts[key.strip().replace("-", "_")] = parse_option_value(value)
         # drafter=ngram: the run's engine drafts by prompt lookup (no draft model)
         drafter = opts.pop("drafter", "draft_model")
-        if drafter not in SPECULATIVE_METHODS:
-            raise ValueError(f"--policy {spec!r}: drafter must be one of "
-                             f"{', '.join(SPECULATIVE_METHODS)}, got {drafter!r}")
+        try:
+            parse_methods(drafter)
+        except ValueError as e:
+            raise ValueError(f"--policy {spec!r}: drafter: {e}") from None
         engine = {} if drafter == "draft_model" else {"speculative_method": drafter}
         make_policy(name, max_gamma, **opts)  # name and options, before anything loads
         label = name + ("" if not opts else " " + " ".join(
@@ -639,8 +648,8 @@ def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
         target, draft = synthetic_models(args.synthetic, resolve_dtype(engine_kwargs["dtype"]))
         tokenizer = default_pair()[0]
     options = {**engine_kwargs, **policy.get("engine", {})}
-    if options.get("speculative_method", "draft_model") != "draft_model":
-        draft = None  # a lookup drafts: the target alone
+    if "draft_model" not in parse_methods(options.get("speculative_method", "draft_model")):
+        draft = None  # lookups draft: the target alone
     engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy["name"],
                           policy_options=policy["options"], warmup=False, **options)
     acceptance = getattr(args, "synthetic_acceptance", None)
@@ -827,6 +836,8 @@ def _run_metrics(args: argparse.Namespace, engine, em: dict, measured: _Measured
     for key in PREFIX_CACHE_KEYS:
         metrics[key] = em[key]
     metrics["prefix_cache_blocks"] = engine.stats().kv_blocks_cached  # cached at the end
+    if len({r.category for r in measured.records}) > 1:
+        metrics["by_category"] = category_metrics(measured.records)
     if measured.conversations is not None:
         metrics["by_turn"] = turn_metrics(measured.records)
         metrics["conversations"] = conversation_summary(measured.conversations)
@@ -1113,9 +1124,9 @@ def plan_benchmark(args: argparse.Namespace) -> BenchPlan:
     synthetic = check_arguments(args)
     policies = policy_runs(args)
     arrivals = build_arrivals(args)
-    if args.workload == "code" and args.workload_file:
-        raise ValueError("--workload code reads the held-out corpus split; --workload-file is "
-                         "for spec-bench, alpaca, sharegpt and multiturn")
+    if args.workload_file and args.workload in wl.NO_FILE:
+        raise ValueError(f"--workload {args.workload} {wl.NO_FILE[args.workload]}; "
+                         f"--workload-file is for {', '.join(wl.FILE_WORKLOADS)}")
     multiturn = args.workload == "multiturn"
     turns = args.turns or wl.DEFAULT_TURNS
     prompts = (wl.load_conversations(args.workload_file, turns) if multiturn
@@ -1335,8 +1346,7 @@ def workload_description(args: argparse.Namespace, plan: BenchPlan,
     """The results' ``workload``: where the prompts came from and the requests' sizes."""
     requests = built.requests
     return {"name": args.workload,
-            "path": None if args.workload == "code" else
-            str(args.workload_file or wl.default_path(args.workload)),
+            "path": _workload_path(args),
             "categories": args.category.split(",") if args.category else None,
             "pool_size": len(plan.prompts), "max_tokens": args.max_tokens,
             "max_prompt_tokens": args.max_prompt_tokens,
@@ -1349,6 +1359,16 @@ def workload_description(args: argparse.Namespace, plan: BenchPlan,
                 "user_turn_tokens": summarize(built.turn_lens),
                 "conversation_pool_index": [c.conversation_index for c in requests]}
                if plan.multiturn else {})}
+
+
+def _workload_path(args: argparse.Namespace) -> str | list[str] | None:
+    """The file the prompts came from: None for the held-out code workloads, the list of the
+    sources' files for mixed."""
+    if args.workload_file:
+        return str(args.workload_file)
+    if args.workload == "mixed":
+        return [str(wl.default_path(s)) for s in wl.MIXED_SOURCES if s in wl.DATA_FILES]
+    return None if args.workload in wl.NO_FILE else str(wl.default_path(args.workload))
 
 
 def write_outputs(args: argparse.Namespace, results: dict) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from jspec.device_steps import DraftResult
 from jspec.proposers.base import Proposer
+from jspec.sequence import PENDING_TOKEN
 
 
 def longest_earlier_suffix(tokens: np.ndarray, n_max: int) -> tuple[int, np.ndarray]:
@@ -35,6 +36,16 @@ def longest_earlier_suffix(tokens: np.ndarray, n_max: int) -> tuple[int, np.ndar
         return 0, ends
     matched = 1
     while matched < n_max and matched < length - 1:
+        if ends.size == 1:  # one occurrence left: compare the rest of its stretch at once
+            e = int(ends[0])
+            span = min(n_max - matched, e - matched + 1)
+            if span <= 0:
+                break
+            earlier = tokens[e - matched - span + 1:e - matched + 1]
+            latest = tokens[length - 1 - matched - span + 1:length - matched]
+            same = (earlier == latest)[::-1]  # from the token next to the match backwards
+            matched += int(np.argmin(np.append(same, False)))
+            break
         back = ends - matched
         longer = ends[(back >= 0) & (tokens[np.maximum(back, 0)]
                                      == tokens[length - 1 - matched])]
@@ -69,9 +80,9 @@ class _Tokens:
         self.buf = np.array(tokens, np.int32)
         self.size = len(tokens)
 
-    def sync(self, seq) -> np.ndarray:
-        """Bring the buffer up to ``seq``'s tokens (only the new outputs are copied)."""
-        total = seq.num_tokens
+    def sync(self, seq, total: int) -> np.ndarray:
+        """Bring the buffer up to ``seq``'s first ``total`` tokens (only the new outputs are
+        copied)."""
         if total < self.size:  # cannot happen while tokens only grow; rebuild if it does
             self.__init__(seq.token_ids())
             return self.buf[:self.size]
@@ -81,11 +92,17 @@ class _Tokens:
                 grown[:self.size] = self.buf[:self.size]
                 self.buf = grown
             prompt = seq.num_prompt_tokens
-            new = seq.output_token_ids[self.size - prompt:] if self.size >= prompt \
-                else seq.token_ids()[self.size:]
+            new = seq.output_token_ids[self.size - prompt:total - prompt] \
+                if self.size >= prompt else seq.token_ids()[self.size:total]
             self.buf[self.size:total] = new
             self.size = total
         return self.buf[:self.size]
+
+
+def _pending(seq) -> int:
+    """1 when ``seq``'s newest token is still on device (``PENDING_TOKEN``), else 0."""
+    return int(seq.num_tokens > seq.num_prompt_tokens
+               and seq.output_token_ids[-1] == PENDING_TOKEN)
 
 
 class TokenBuffers:
@@ -97,11 +114,15 @@ class TokenBuffers:
         self._keep = 2 * max_num_seqs
 
     def of(self, seq) -> np.ndarray:
+        """``seq``'s tokens, up to the last one the host knows: with asynchronous scheduling
+        a sequence may end in the placeholder of a token still on device (``PENDING_TOKEN``),
+        which the buffer must never hold."""
+        total = seq.num_tokens - _pending(seq)
         entry = self._buffers.get(seq.request_id)
         if entry is None:
-            entry = self._buffers[seq.request_id] = _Tokens(seq.token_ids())
+            entry = self._buffers[seq.request_id] = _Tokens(seq.token_ids()[:total])
             return entry.buf[:entry.size]
-        return entry.sync(seq)
+        return entry.sync(seq, total)
 
     def prune(self, rows) -> None:
         """Drop the buffers of requests not among ``rows`` (the step's), when there are more
@@ -117,10 +138,33 @@ class LookupProposer(Proposer):
 
     def __init__(self, max_num_seqs: int):
         self.tokens = TokenBuffers(max_num_seqs)  # each request's tokens
+        # request -> (its length, its draft at Γmax) from the plan's survey, reused by the
+        # step's propose while the sequence has not grown since
+        self._surveyed: dict[str, tuple[int, np.ndarray]] = {}
 
     def draft(self, seq, gamma: int) -> list[int] | np.ndarray:
         """Up to ``gamma`` tokens to follow ``seq``'s."""
         raise NotImplementedError
+
+    def survey(self, seqs, gamma: int) -> np.ndarray:
+        """How many tokens the lookup would draft for each of ``seqs`` (at most ``gamma``),
+        for a policy that chooses drafters per sequence before the step: the drafts are kept
+        for the step's ``propose``. A sequence whose newest token is still on device
+        (asynchronous scheduling) is judged by the tokens before it."""
+        self._surveyed = {}
+        out = np.zeros(len(seqs), np.int64)
+        for i, seq in enumerate(seqs):
+            draft = np.asarray(self.draft(seq, gamma), np.int32)
+            if not _pending(seq):  # the draft the step would make: kept for it
+                self._surveyed[seq.request_id] = (seq.num_tokens, draft)
+            out[i] = len(draft)
+        return out
+
+    def _draft_of(self, seq, gamma: int):
+        kept = self._surveyed.get(seq.request_id)
+        if kept is not None and kept[0] == seq.num_tokens and not _pending(seq):
+            return kept[1][:gamma]  # surveyed at Γmax: a shorter draft is its prefix
+        return self.draft(seq, gamma)
 
     def propose(self, st) -> None:
         tokens = np.zeros((st.num_rows, st.gamma), np.int32)
@@ -129,7 +173,7 @@ class LookupProposer(Proposer):
             row = st.rows[i]
             if row.gamma_planned <= 0:
                 continue
-            draft = self.draft(row.seq, row.gamma_planned)
+            draft = self._draft_of(row.seq, row.gamma_planned)
             tokens[i, :len(draft)] = draft
             drafted[i] = len(draft)
             row.gamma_verify = len(draft)  # nothing found: the row verifies no draft slot

@@ -138,6 +138,12 @@ def sequence_draft(tokens: np.ndarray, max_depth: int, k: int, max_spec_factor: 
         ends = ends[ends < last]  # occurrences with a token after them
         if not ends.size:
             break
+        if ends.size == 1:  # one occurrence: what follows it, each token with probability 1
+            e = int(ends[0])
+            rest = tokens[e + 1:e + 1 + min(limit - len(out), last - e)].tolist()
+            out += rest
+            score += prob * len(rest)
+            break
         following = tokens[ends + 1]
         values, counts = np.unique(following, return_counts=True)
         best = int(np.argmax(counts))  # the first maximum: the smallest token id

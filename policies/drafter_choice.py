@@ -1,0 +1,168 @@
+"""The choice of drafter and draft length per sequence, by the step's predicted goodput: what
+``auto`` plans with when the engine has drafters without a model (prompt lookup, suffix
+decoding) beside or instead of a draft model.
+
+A step's cost has a shape that makes this a small search rather than a per-row one. In a
+decode-only step every row is verified as wide as the step's γ bucket g (the target's forward
+is n·(g + 1) tokens whatever each row drafted), and the draft model, if any row uses it, runs
+its loop g forwards for the whole batch. So the step's time depends only on (g, whether the
+draft model runs):
+
+    T(g, f) = a + b·n·(g + 1) + c·f
+
+(f: the draft model's draft length this step, 0 when it does not run; a, b, c fitted on the
+run's own whole steps, ``measured_time.StepLine``), and given (g, f) each row takes the
+drafter that yields it the most tokens, at no extra cost:
+
+    E_i(g, f) = max(1, Σ_{j=0..f} α_{i,model}^j if the model runs,
+                       Σ_{j=0..min(L_{i,d}, g)} α_{i,d}^j for each lookup d)
+
+where L_{i,d} is how many tokens lookup d would draft for sequence i now (the planner surveys
+the lookups before the plan: ``BatchView.lookup_lengths``; a lookup drafts only what it finds)
+and α_{i,d} the sequence's acceptance rate of drafter d: its own judged tokens (accepted /
+judged, as DSD counts them) shrunk towards the drafter's rate over all sequences, so a sequence
+with little evidence starts from the drafter's record. The plan is the (g, f ≤ g) of greatest
+Σ_i E_i / T, γ = 0 included (every row plain: n / T(0, 0)): the draft model may draft fewer
+tokens than the lookups beside it, whose drafts cost only their verification. Rows whose best is 1 token do not
+draft. The drafter-wide rates are planned at an upper confidence bound (as DSD's α), so a
+drafter with thin evidence is tried.
+
+Why per sequence: the best drafter differs by request (one that quotes its prompt accepts long
+lookup drafts, a novel one accepts the model's or nothing; SuffixDecoding §3 scores each draft
+for that reason, and ArcticInference switches to its suffix drafts by a fixed score threshold)
+and by load (at saturation the model's draft costs a loop over the batch, a lookup only the
+verification of what it found).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jspec.policies.base import BatchView, DraftPlan, StepOutcome, judged_rows
+
+_REQUEST_PRIOR = 4.0  # pseudo-tokens of the drafter-wide rate in a sequence's own rate
+_REQUEST_DECAY = 0.8  # weight of a sequence's older evidence per step it drafted with a drafter
+_EMA = 0.1  # the drafter-wide rate's update per step (DSD's)
+_MAX_REQUESTS = 4096  # sequences remembered; the oldest are dropped beyond
+
+
+class DrafterChoice:
+    """Acceptance per (sequence, drafter) and the per-step plan (module docstring)."""
+
+    def __init__(self, max_gamma: int, alpha0: float, confidence_z: float):
+        self.max_gamma = max_gamma
+        self.alpha0 = alpha0
+        self.z = confidence_z
+        self.rate: dict[int, float] = {}  # drafter -> EMA of its per-step judged rate
+        self.judged: dict[int, float] = {}  # drafter -> judged tokens the EMA remembers
+        # sequence -> drafter -> [accepted, judged], decayed per step it drafted with it
+        self.seqs: dict[str, dict[int, list[float]]] = {}
+        self._explore = 0  # plans made before steps could be priced
+
+    def drafter_rate(self, d: int) -> float:
+        """Drafter ``d``'s rate at its upper confidence bound, at most 1."""
+        a = self.rate.get(d, self.alpha0)
+        n = max(self.judged.get(d, 0.0), 1.0)
+        return min(1.0, a + self.z * float(np.sqrt(a * (1.0 - a) / n)))
+
+    def seq_rates(self, request_ids, d: int) -> np.ndarray:
+        """Each sequence's rate of drafter ``d``: its own judged tokens, shrunk towards the
+        drafter's bound."""
+        prior = self.drafter_rate(d)
+        out = np.full(len(request_ids), prior)
+        for i, rid in enumerate(request_ids):
+            own = self.seqs.get(rid, {}).get(d)
+            if own is not None:
+                out[i] = (own[0] + _REQUEST_PRIOR * prior) / (own[1] + _REQUEST_PRIOR)
+        return out
+
+    def plan(self, view: BatchView, model: int | None, lookups: tuple[int, ...],
+             buckets: tuple[int, ...], step_time) -> DraftPlan:
+        """The plan of greatest predicted goodput. ``model``: the draft model's pool index
+        (None: none, or away); ``buckets``: the drafting γ buckets; ``step_time(g, f)`` ->
+        seconds of a decode step verified at bucket g in which the draft model runs f forwards
+        (0: it does not run), or None while the run cannot price steps yet (then the longest
+        bucket, the draft model running every other step, to learn both)."""
+        n = view.num_decode
+        ids = view.request_ids
+        rates = {d: self.seq_rates(ids, d) for d in lookups}
+        if model is not None:
+            rates[model] = self.seq_rates(ids, model)
+
+        def rows(g: int, model_gamma: int):
+            options = [(d, np.minimum(view.lookup_lengths.get(d, np.zeros(n, np.int64)), g))
+                       for d in lookups]
+            if model_gamma:
+                options.append((model, np.full(n, model_gamma, np.int64)))
+            return self._rows(options, rates, g, n)
+
+        plain = step_time(0, 0)
+        if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
+            g = max(buckets)
+            self._explore += 1
+            with_model = model is not None and self._explore % 2 == 1
+            best = (0.0, g, (*rows(g, g if with_model else 0), g))
+        else:
+            best = (n / plain, 0, None)
+            for g in buckets:
+                for model_gamma in range(g + 1 if model is not None else 1):
+                    tokens, drafters = rows(g, model_gamma)
+                    if model_gamma and not (drafters == model).any():
+                        continue  # the same step as without the model, priced higher
+                    value = float(tokens.sum()) / step_time(g, model_gamma)
+                    if value > best[0]:
+                        best = (value, g, (tokens, drafters, model_gamma))
+        _, g, chosen = best
+        if chosen is None:
+            return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
+        _, drafters, model_gamma = chosen
+        gammas = np.where(drafters == model, model_gamma, np.where(drafters >= 0, g, 0))
+        return DraftPlan(gammas=gammas.astype(np.int32), drafters=drafters)
+
+    @staticmethod
+    def _rows(options, rates, g: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per row the expected tokens of its best drafter at bucket ``g`` and which (-1:
+        plain decoding)."""
+        tokens = np.ones(n)
+        drafters = np.full(n, -1, np.int64)
+        powers = np.arange(g + 1)
+        for d, lengths in options:
+            alpha = rates[d]
+            # Σ_{j=0..L} α^j per row, L its draft length
+            terms = alpha[:, None] ** powers[None, :]
+            expected = np.where(powers[None, :] <= lengths[:, None], terms, 0.0).sum(1)
+            better = expected > tokens + 1e-9
+            tokens = np.where(better, expected, tokens)
+            drafters = np.where(better, d, drafters)
+        return tokens, drafters
+
+    def observe(self, outcome: StepOutcome) -> None:
+        if outcome.drafters is None:
+            return
+        accepted, judged = judged_rows(outcome)
+        drafters = np.asarray(outcome.drafters)
+        for d in set(drafters.tolist()) - {-1}:
+            rows = drafters == d
+            acc, jud = int(accepted[rows].sum()), int(judged[rows].sum())
+            if jud:
+                r = acc / jud
+                self.rate[d] = (1 - _EMA) * self.rate.get(d, self.alpha0) + _EMA * r
+                self.judged[d] = (1 - _EMA) * self.judged.get(d, 0.0) + jud
+        for i in np.flatnonzero(drafters >= 0).tolist():
+            rid = outcome.request_ids[i]
+            own = self.seqs.setdefault(rid, {}).setdefault(int(drafters[i]), [0.0, 0.0])
+            own[0] = _REQUEST_DECAY * own[0] + int(accepted[i])
+            own[1] = _REQUEST_DECAY * own[1] + int(judged[i])
+        if len(self.seqs) > _MAX_REQUESTS:
+            live = set(outcome.request_ids)
+            self.seqs = {rid: v for rid, v in self.seqs.items() if rid in live}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rate": {str(d): r for d, r in self.rate.items()},
+                "judged": {str(d): j for d, j in self.judged.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rate = {int(d): float(r) for d, r in state.get("rate", {}).items()}
+        self.judged = {int(d): float(j) for d, j in state.get("judged", {}).items()}

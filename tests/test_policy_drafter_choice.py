@@ -1,0 +1,129 @@
+"""``auto`` with several drafters (policies/drafter_choice.py): the drafter and length per
+sequence that maximise the step's predicted goodput, learned from each sequence's acceptance.
+Host-only: views and outcomes built by hand, the step-time model given."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from policy_helpers import make_outcome, make_view
+from jspec.policies import make_policy
+from jspec.policies.drafter_choice import DrafterChoice
+
+MODEL, NGRAM = 0, 1
+BUCKETS = (1, 2, 4)
+
+
+def _view(lengths, **kw):
+    view = make_view(len(lengths), **kw)
+    return dataclasses.replace(view, lookup_lengths={NGRAM: np.asarray(lengths, np.int64)})
+
+
+def _times(target_per_token: float, draft_forward: float, fixed: float = 0.01):
+    def step_time(n):
+        return lambda g, forwards: fixed + target_per_token * n * (g + 1) + (
+            forwards * draft_forward)
+    return step_time
+
+
+def _learn(choice: DrafterChoice, view, drafters, accepted, gamma: int = 4):
+    drafters = np.asarray(drafters)
+    out = make_outcome(view, np.where(drafters >= 0, gamma, 0), accepted)
+    choice.observe(dataclasses.replace(out, drafters=drafters))
+
+
+def test_each_sequence_takes_the_drafter_its_acceptance_favours():
+    choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
+    view = _view([4, 4, 0, 0])
+    for _ in range(20):  # r0, r1 accept whole lookups; the model's drafts of r2, r3 accept
+        _learn(choice, view, [NGRAM, NGRAM, MODEL, MODEL], [4, 4, 3, 3])
+        _learn(choice, view, [MODEL, MODEL, -1, -1], [0, 0, 0, 0])
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 2e-4)(4))
+    assert plan.drafters.tolist() == [NGRAM, NGRAM, MODEL, MODEL]
+    assert plan.gammas.tolist() == [4, 4, 4, 4]
+
+
+def test_an_expensive_draft_model_is_left_out_and_lookups_draft_alone():
+    choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
+    view = _view([4, 0, 3, 0])
+    for _ in range(20):
+        _learn(choice, view, [NGRAM, MODEL, NGRAM, MODEL], [4, 1, 3, 1])
+    # the draft model's forward costs as much as the whole target step: not worth its rows
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 0.05)(4))
+    assert MODEL not in plan.drafters.tolist()
+    assert plan.drafters.tolist() == [NGRAM, -1, NGRAM, -1]
+    assert plan.gammas.tolist() == [4, 0, 4, 0]
+
+
+def test_plain_decoding_when_nothing_pays():
+    choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
+    view = _view([0, 0, 0, 0])
+    for _ in range(20):
+        _learn(choice, view, [MODEL] * 4, [0, 0, 0, 0])
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-3, 1e-3)(4))
+    assert plan.gammas.tolist() == [0, 0, 0, 0]
+    assert plan.drafters.tolist() == [-1] * 4
+
+
+def test_before_steps_can_be_priced_every_drafter_drafts_the_longest():
+    choice = DrafterChoice(4, alpha0=0.6, confidence_z=2.0)
+    view = _view([2, 0, 4])
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, lambda g, forwards: None)
+    assert plan.gammas.tolist() == [4, 4, 4]
+    assert plan.drafters.tolist() == [MODEL, MODEL, NGRAM]
+
+
+def test_auto_plans_per_sequence_only_with_lookups_and_keeps_its_state():
+    auto = make_policy("auto", 4)
+    auto.set_pool(("draft",))
+    auto.set_lookups(())
+    assert auto.possible_drafters() == set() and not auto.reads_lookups
+    assert auto.plan(make_view(3)).drafters is None  # DSD's plan, one γ for all
+    auto = make_policy("auto", 4)
+    auto.set_pool(("draft", "ngram", "suffix"))
+    auto.set_lookups((1, 2))
+    assert auto.possible_drafters() == {0, 1, 2} and auto.reads_lookups
+    view = dataclasses.replace(make_view(2), lookup_lengths={1: np.array([3, 0]),
+                                                             2: np.array([0, 0])})
+    plan = auto.plan(view)
+    assert plan.drafters.tolist() == [0, 0] and plan.gammas.tolist() == [4, 4]
+    out = dataclasses.replace(make_outcome(view, [4, 4], [4, 0]), drafters=np.array([1, 0]))
+    auto.observe(out)
+    state = auto.state_dict()
+    assert set(state["drafters"]["rate"]) == {"0", "1"}
+    again = make_policy("auto", 4)
+    again.set_pool(("draft", "ngram", "suffix"))
+    again.set_lookups((1, 2))
+    again.load_state_dict(state)
+    assert again._choice.rate == pytest.approx(auto._choice.rate)
+    lookups_only = make_policy("auto", 4)
+    lookups_only.set_pool(("ngram",))
+    lookups_only.set_lookups((0,))
+    assert lookups_only.model is None and lookups_only.possible_drafters() == {0}
+
+
+def test_step_line_tells_the_draft_models_cost_from_whole_steps():
+    from jspec.policies.measured_time import StepLine
+
+    line = StepLine(with_draft=True)
+    rng = np.random.default_rng(0)
+    view = make_view(4)
+
+    def step(width, forwards):
+        out = make_outcome(view, [forwards] * 4, [0] * 4, num_padded_tokens=width,
+                           step_time=0.004 + 2e-5 * width + 1e-3 * forwards
+                           + rng.normal(0, 1e-5))
+        return dataclasses.replace(out, model_forwards=forwards)
+
+    for _ in range(10):  # only steps that ran the model: its cost cannot be told apart yet
+        line.observe(step(int(rng.integers(8, 64)), 4))
+    assert line.coefficients() is None and line.time(20, 4) is None
+    for _ in range(10):
+        line.observe(step(int(rng.integers(8, 64)), int(rng.integers(0, 2)) * 2))
+    a, b, c = line.coefficients()
+    assert a == pytest.approx(0.004, rel=0.05) and b == pytest.approx(2e-5, rel=0.05)
+    assert c == pytest.approx(1e-3, rel=0.05)
+    assert line.time(20, 3) == pytest.approx(0.004 + 4e-4 + 3e-3, rel=0.02)
