@@ -87,56 +87,55 @@ class DrafterChoice:
         bucket, the draft model running every other step, to learn both)."""
         n = view.num_decode
         ids = view.request_ids
-        rates = {d: self.seq_rates(ids, d) for d in lookups}
-        if model is not None:
-            rates[model] = self.seq_rates(ids, model)
+        top = max(buckets)
+        powers = np.arange(top + 1)
+        rows = np.arange(n)
 
-        def rows(g: int, model_gamma: int):
-            options = [(d, np.minimum(view.lookup_lengths.get(d, np.zeros(n, np.int64)), g))
-                       for d in lookups]
-            if model_gamma:
-                options.append((model, np.full(n, model_gamma, np.int64)))
-            return self._rows(options, rates, g, n)
+        def expected(d):  # [n, top + 1]: Σ_{j=0..L} α_{i,d}^j for every length L
+            return np.cumsum(self.seq_rates(ids, d)[:, None] ** powers[None, :], axis=1)
+
+        # per bucket: each row's best lookup (tokens, which), 1 token and -1 without one
+        look_tokens = np.ones((len(buckets), n))
+        look_which = np.full((len(buckets), n), -1, np.int64)
+        for d in lookups:
+            table = expected(d)
+            found = view.lookup_lengths.get(d, np.zeros(n, np.int64))
+            for b, g in enumerate(buckets):
+                tokens = table[rows, np.minimum(found, g)]
+                better = tokens > look_tokens[b] + 1e-9
+                look_tokens[b] = np.where(better, tokens, look_tokens[b])
+                look_which[b] = np.where(better, d, look_which[b])
+        model_tokens = expected(model).T if model is not None else None  # [top + 1, n]
+
+        def choice(b: int, model_gamma: int):
+            """(tokens, drafters) per row at bucket index b, the model drafting model_gamma."""
+            if not model_gamma:
+                return look_tokens[b], look_which[b]
+            better = model_tokens[model_gamma] > look_tokens[b] + 1e-9
+            return (np.where(better, model_tokens[model_gamma], look_tokens[b]),
+                    np.where(better, model, look_which[b]))
 
         plain = step_time(0, 0)
         if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
-            g = max(buckets)
             self._explore += 1
-            with_model = model is not None and self._explore % 2 == 1
-            best = (0.0, g, (*rows(g, g if with_model else 0), g))
+            model_gamma = top if model is not None and self._explore % 2 == 1 else 0
+            g, best = top, (*choice(len(buckets) - 1, model_gamma), model_gamma)
         else:
-            best = (n / plain, 0, None)
-            for g in buckets:
-                for model_gamma in range(g + 1 if model is not None else 1):
-                    tokens, drafters = rows(g, model_gamma)
-                    if model_gamma and not (drafters == model).any():
-                        continue  # the same step as without the model, priced higher
-                    value = float(tokens.sum()) / step_time(g, model_gamma)
-                    if value > best[0]:
-                        best = (value, g, (tokens, drafters, model_gamma))
-        _, g, chosen = best
-        if chosen is None:
+            g, best, value = 0, None, n / plain
+            for b, bucket in enumerate(buckets):
+                totals = [look_tokens[b].sum()]
+                if model is not None:  # the model drafting 1..bucket tokens where it yields more
+                    better = np.maximum(model_tokens[1:bucket + 1], look_tokens[b][None, :])
+                    totals += better.sum(axis=1).tolist()
+                for model_gamma, tokens in enumerate(totals):
+                    candidate = tokens / step_time(bucket, model_gamma)
+                    if candidate > value:
+                        g, best, value = bucket, (*choice(b, model_gamma), model_gamma), candidate
+        if best is None:
             return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
-        _, drafters, model_gamma = chosen
+        _, drafters, model_gamma = best
         gammas = np.where(drafters == model, model_gamma, np.where(drafters >= 0, g, 0))
         return DraftPlan(gammas=gammas.astype(np.int32), drafters=drafters)
-
-    @staticmethod
-    def _rows(options, rates, g: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per row the expected tokens of its best drafter at bucket ``g`` and which (-1:
-        plain decoding)."""
-        tokens = np.ones(n)
-        drafters = np.full(n, -1, np.int64)
-        powers = np.arange(g + 1)
-        for d, lengths in options:
-            alpha = rates[d]
-            # Σ_{j=0..L} α^j per row, L its draft length
-            terms = alpha[:, None] ** powers[None, :]
-            expected = np.where(powers[None, :] <= lengths[:, None], terms, 0.0).sum(1)
-            better = expected > tokens + 1e-9
-            tokens = np.where(better, expected, tokens)
-            drafters = np.where(better, d, drafters)
-        return tokens, drafters
 
     def observe(self, outcome: StepOutcome) -> None:
         if outcome.drafters is None:

@@ -31,7 +31,9 @@ import numpy as np
 
 from jspec.proposers.ngram import LookupProposer, longest_earlier_suffix
 
-_COUNT, _KIDS = 0, 1  # a node: [count, {token: node}]
+# a node: [count, {token: node}, (best token, its node, children's total count) or None]; the
+# last is computed when a draft first reads the node and dropped when a child's count changes
+_COUNT, _KIDS, _BEST = 0, 1, 2
 
 
 class SuffixTree:
@@ -39,7 +41,7 @@ class SuffixTree:
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
-        self.root: list = [0, {}]
+        self.root: list = [0, {}, None]
 
     def add(self, tokens, start: int = 0) -> None:
         """Count every substring (of at most ``max_depth`` tokens) that ends in
@@ -72,8 +74,9 @@ class SuffixTree:
                 if child is None:
                     if delta < 0:
                         break  # removed already: so are the longer paths through it
-                    child = node[_KIDS][tok] = [0, {}]
+                    child = node[_KIDS][tok] = [0, {}, None]
                 child[_COUNT] += delta
+                node[_BEST] = None
                 if child[_COUNT] <= 0:
                     del node[_KIDS][tok]  # its descendants reach 0 in this same removal
                 grown.append(child)
@@ -109,9 +112,7 @@ class SuffixTree:
             limit = min(k, int(max_spec_factor * m))
             out, score, prob = [], 0.0, 1.0
             while len(out) < limit and node[_KIDS]:
-                total = sum(c[_COUNT] for c in node[_KIDS].values())
-                # the most frequent; ties to the smaller token id, as ``sequence_draft``
-                tok, child = max(node[_KIDS].items(), key=lambda kv: (kv[1][_COUNT], -kv[0]))
+                tok, child, total = node[_BEST] or _best_child(node)
                 prob *= child[_COUNT] / total
                 if prob < min_token_prob:
                     break
@@ -120,6 +121,15 @@ class SuffixTree:
                 node = child
             return out, score
         return [], 0.0
+
+
+def _best_child(node) -> tuple:
+    """(token, node, total) of ``node``'s most frequent child (ties to the smaller token id, as
+    ``sequence_draft``) and its children's total count, kept on the node until a count
+    changes: a node near the root has hundreds of children, and every draft reads it."""
+    tok, child = max(node[_KIDS].items(), key=lambda kv: (kv[1][_COUNT], -kv[0]))
+    node[_BEST] = best = (tok, child, sum(c[_COUNT] for c in node[_KIDS].values()))
+    return best
 
 
 def sequence_draft(tokens: np.ndarray, max_depth: int, k: int, max_spec_factor: float,
