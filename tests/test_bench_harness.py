@@ -697,7 +697,8 @@ def test_serving_compares_the_draft_model_with_prompt_lookup(tiny_pair, tmp_path
     assert (model["label"], lookup["label"]) == ("static γ=3", "static γ=3 ngram")
     assert lookup["engine_options"] == {"speculative_method": "ngram"}
     assert model["metrics"]["total_output_tokens"] == lookup["metrics"]["total_output_tokens"]
-    with pytest.raises(ValueError, match="drafter must be one of draft_model, ngram, suffix, got 'x'"):
+    with pytest.raises(ValueError, match="drafter: speculative_method names 'x'; each "
+                                         "drafter must be one of"):
         serving.parse_policies(["static:drafter=x"], [], 4)
 
 

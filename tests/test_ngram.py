@@ -152,6 +152,24 @@ def test_suffix_global_tree_holds_finished_outputs_and_evicts_the_oldest():
     assert prop.draft(fresh, 3) == [] and prop.draft(seq("d", [20, 21]), 2) == [22]
 
 
+def test_survey_skips_a_token_still_on_device_and_keeps_drafts_for_the_step():
+    """A policy's survey (what a lookup would draft, before the plan) may see a sequence whose
+    newest token is still on device (asynchronous scheduling): the lookup judges it by the
+    tokens before, never copies the placeholder into its buffer, and keeps no draft for it."""
+    from jspec.proposers import NgramProposer
+    from jspec.sequence import PENDING_TOKEN, Sequence
+
+    s = Sequence("a", [5, 6, 7, 5, 6], None, 0)
+    s.output_token_ids = [7, PENDING_TOKEN]
+    prop = NgramProposer(1, 3, 4)
+    assert prop.survey([s], 4).tolist() == [3]  # "5 6 7" -> drafts what followed "7": 5 6 7
+    assert "a" not in prop._surveyed
+    s.output_token_ids[-1] = 5  # the commit: the real token replaces the placeholder
+    assert prop.tokens.of(s).tolist() == [5, 6, 7, 5, 6, 7, 5]
+    assert prop.survey([s], 4).tolist() == [3] and "a" in prop._surveyed  # "6 7 5" again
+    assert prop._draft_of(s, 2).tolist() == [6, 7]
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.3, 8, 0.95)])
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_one_hot_rule_keeps_the_target_distribution(temperature, top_k, top_p, gamma):
