@@ -34,6 +34,9 @@ class RowDrafters(Policy):
     def possible_drafters(self) -> set[int]:
         return {d for d in self.cycle if d >= 0}
 
+    def possible_gammas(self) -> set[int]:
+        return {0, self.max_gamma}  # one drafting bucket: less to compile
+
     def plan(self, view):
         n = view.num_decode
         drafters = np.array([self.cycle[i % len(self.cycle)] for i in range(n)], np.int64)
@@ -52,12 +55,14 @@ def repeating_draft(repeating_target):
                        "draft")
 
 
-@pytest.mark.parametrize("policy", ["rows", "auto"])
-@pytest.mark.parametrize("overrides", [
-    {},  # asynchronous scheduling and prefix caching on (the defaults)
-    {"async_scheduling": False, "enable_prefix_caching": False},
-    {"num_kv_blocks": 14},  # preemption and recompute
-], ids=["defaults", "sync-no-cache", "preemption"])
+@pytest.mark.parametrize("policy,overrides", [
+    ("rows", {}),  # asynchronous scheduling and prefix caching on (the defaults)
+    ("rows", {"async_scheduling": False, "enable_prefix_caching": False}),
+    ("rows", {"num_kv_blocks": 14}),  # preemption and recompute
+    ("auto", {}),
+    ("auto", {"async_scheduling": False, "enable_prefix_caching": False}),
+], ids=["rows-defaults", "rows-sync-no-cache", "rows-preemption", "auto-defaults",
+        "auto-sync-no-cache"])
 def test_greedy_mixed_drafters_equal_target_only(repeating_target, repeating_draft,
                                                  repeating_reference, overrides, policy):
     pol = RowDrafters(4) if policy == "rows" else make_policy("auto", 4)
@@ -69,6 +74,8 @@ def test_greedy_mixed_drafters_equal_target_only(repeating_target, repeating_dra
         assert outs[str(i)].token_ids == ref, f"prompt {i}"
     assert engine.block_manager.num_used_blocks == 0
     assert engine.runner.num_compiled == compiled  # the warm-up compiled every shape it ran
+    if "num_kv_blocks" in overrides:
+        assert engine.metrics.num_preemptions > 0
     stats = engine.metrics.drafter_stats
     if policy == "rows":
         for name in ("draft", "ngram", "suffix"):
