@@ -23,7 +23,11 @@ and α_{i,d} the sequence's acceptance rate of drafter d: its own judged tokens 
 judged, as DSD counts them) shrunk towards the drafter's rate over all sequences, so a sequence
 with little evidence starts from the drafter's record. The plan is the (g, f ≤ g) of greatest
 Σ_i E_i / T, γ = 0 included (every row plain: n / T(0, 0)): the draft model may draft fewer
-tokens than the lookups beside it, whose drafts cost only their verification. Rows whose best is 1 token do not
+tokens than the lookups beside it, whose drafts cost only their verification. A row the draft
+model has not followed (its KV lags after steps drafted by a lookup or not at all) must be
+caught up first, Nightjar's switching cost: the model takes such a row only if its extra
+tokens over the row's best lookup are worth the catch-up's seconds (measured per token) at the
+step's rate, and T then includes them. Rows whose best is 1 token do not
 draft. The drafter-wide rates are planned at an upper confidence bound (as DSD's α), so a
 drafter with thin evidence is tried.
 
@@ -46,6 +50,7 @@ _REQUEST_PRIOR = 4.0  # pseudo-tokens of the drafter-wide rate in a sequence's o
 _REQUEST_DECAY = 0.8  # weight of a sequence's older evidence per step it drafted with a drafter
 _EMA = 0.1  # the drafter-wide rate's update per step (DSD's)
 _MAX_REQUESTS = 4096  # sequences remembered; the oldest are dropped beyond
+_CATCH_UP_DECAY = 0.95  # weight of older catch-ups, per step that caught up
 
 
 class DrafterChoice:
@@ -60,6 +65,7 @@ class DrafterChoice:
         # sequence -> drafter -> [accepted, judged], decayed per step it drafted with it
         self.seqs: dict[str, dict[int, list[float]]] = {}
         self._explore = 0  # plans made before steps could be priced
+        self._catch_up = [0.0, 0.0]  # decayed Σ catch-up seconds, Σ tokens caught up
 
     def drafter_rate(self, d: int) -> float:
         """Drafter ``d``'s rate at its upper confidence bound, at most 1."""
@@ -107,37 +113,57 @@ class DrafterChoice:
                 look_which[b] = np.where(better, d, look_which[b])
         model_tokens = expected(model).T if model is not None else None  # [top + 1, n]
 
-        def choice(b: int, model_gamma: int):
-            """(tokens, drafters) per row at bucket index b, the model drafting model_gamma."""
+        # the draft model's catch-up before it drafts a row it has not seen for a while (its
+        # KV lags by more than the 1-2 tokens the draft loop feeds): Nightjar's switching cost
+        catch_up = self.catch_up_seconds() * np.maximum(view.pending_draft_tokens - 2, 0)
+
+        def choice(b: int, model_gamma: int, rate: float | None = None):
+            """(tokens, drafters, catch-up seconds) per row at bucket index b, the model
+            drafting model_gamma tokens for the rows where it yields more; with ``rate``
+            (tokens/s of the step without catch-up) only for rows whose extra tokens are worth
+            their catch-up at that rate."""
             if not model_gamma:
-                return look_tokens[b], look_which[b]
-            better = model_tokens[model_gamma] > look_tokens[b] + 1e-9
+                return look_tokens[b], look_which[b], 0.0
+            gain = model_tokens[model_gamma] - look_tokens[b]
+            better = gain > 1e-9
+            if rate is not None:
+                better &= gain >= rate * catch_up
             return (np.where(better, model_tokens[model_gamma], look_tokens[b]),
-                    np.where(better, model, look_which[b]))
+                    np.where(better, model, look_which[b]), float(catch_up[better].sum()))
 
         plain = step_time(0, 0)
         if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
             self._explore += 1
             model_gamma = top if model is not None and self._explore % 2 == 1 else 0
-            g, best = top, (*choice(len(buckets) - 1, model_gamma), model_gamma)
+            g, best = top, (*choice(len(buckets) - 1, model_gamma)[:2], model_gamma)
         else:
             g, best, value = 0, None, n / plain
             for b, bucket in enumerate(buckets):
-                totals = [look_tokens[b].sum()]
-                if model is not None:  # the model drafting 1..bucket tokens where it yields more
-                    better = np.maximum(model_tokens[1:bucket + 1], look_tokens[b][None, :])
-                    totals += better.sum(axis=1).tolist()
-                for model_gamma, tokens in enumerate(totals):
-                    candidate = tokens / step_time(bucket, model_gamma)
+                for model_gamma in range(bucket + 1 if model is not None else 1):
+                    seconds = step_time(bucket, model_gamma)
+                    tokens, drafters, _ = choice(b, model_gamma)
+                    tokens, drafters, extra = choice(b, model_gamma, tokens.sum() / seconds)
+                    if model_gamma and not (drafters == model).any():
+                        continue  # the same step as without the model, priced higher
+                    candidate = tokens.sum() / (seconds + extra)
                     if candidate > value:
-                        g, best, value = bucket, (*choice(b, model_gamma), model_gamma), candidate
+                        g, best, value = bucket, (tokens, drafters, model_gamma), candidate
         if best is None:
             return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
         _, drafters, model_gamma = best
         gammas = np.where(drafters == model, model_gamma, np.where(drafters >= 0, g, 0))
         return DraftPlan(gammas=gammas.astype(np.int32), drafters=drafters)
 
+    def catch_up_seconds(self) -> float:
+        """Seconds per token of the draft model's catch-up, measured (decayed over the steps
+        that caught up); 0 before any did."""
+        seconds, tokens = self._catch_up
+        return seconds / tokens if tokens > 0 else 0.0
+
     def observe(self, outcome: StepOutcome) -> None:
+        if outcome.catch_up_tokens > 0:
+            self._catch_up = [_CATCH_UP_DECAY * self._catch_up[0] + outcome.catch_up_time,
+                              _CATCH_UP_DECAY * self._catch_up[1] + outcome.catch_up_tokens]
         if outcome.drafters is None:
             return
         accepted, judged = judged_rows(outcome)

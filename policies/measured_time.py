@@ -73,7 +73,7 @@ _MIN_KIND = 2.0  # decayed steps with and without the draft model before its cos
 
 
 class StepLine:
-    """A decoding step's whole time as a + b·w + c·F, fitted online by least squares over
+    """A decoding step's time less its catch-up as a + b·w + c·F, fitted online by least squares over
     exponentially decayed sums: w the verify forward's padded width, F the draft model's
     forwards in the step (``StepOutcome.draft_forwards``; 0 when it did not run).
 
@@ -97,7 +97,8 @@ class StepLine:
         forwards = float(outcome.draft_forwards) if self.with_draft else 0.0
         x = np.array([1.0, w, forwards][:len(self.xy)])
         self.xx = self.decay * self.xx + np.outer(x, x)
-        self.xy = self.decay * self.xy + x * outcome.step_time
+        # the draft model's catch-up is priced per row by the policy that uses this line
+        self.xy = self.decay * self.xy + x * (outcome.step_time - outcome.catch_up_time)
         self.kinds = [self.decay * c for c in self.kinds]
         self.kinds[forwards > 0] += 1.0
 

@@ -58,6 +58,17 @@ def test_an_expensive_draft_model_is_left_out_and_lookups_draft_alone():
     assert plan.gammas.tolist() == [4, 0, 4, 0]
 
 
+def test_a_row_the_draft_model_lags_far_behind_is_not_worth_its_catch_up():
+    choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
+    view = dataclasses.replace(_view([0, 0, 0, 0]), pending_draft_tokens=np.array([1, 1, 600, 2]))
+    for _ in range(20):
+        _learn(choice, view, [MODEL] * 4, [3, 3, 3, 3])
+    out = make_outcome(view, [0] * 4, [0] * 4)
+    choice.observe(dataclasses.replace(out, catch_up_time=0.02, catch_up_tokens=1000))
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 2e-4)(4))
+    assert plan.drafters.tolist() == [MODEL, MODEL, -1, MODEL]  # 600 tokens: 12 ms to catch up
+
+
 def test_plain_decoding_when_nothing_pays():
     choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
     view = _view([0, 0, 0, 0])
