@@ -93,7 +93,7 @@ class _Tokens:
         """Bring the buffer up to ``seq``'s first ``total`` tokens (only the new outputs are
         copied)."""
         if total < self.size:  # cannot happen while tokens only grow; rebuild if it does
-            self.__init__(seq.token_ids())
+            self.__init__(seq.token_ids()[:total])
             return self.buf[:self.size]
         if total > self.size:
             if total > len(self.buf):
