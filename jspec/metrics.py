@@ -48,6 +48,35 @@ class SpecCounts:
                    accepted_per_position=at_least[1:])
 
 
+@dataclasses.dataclass(frozen=True)
+class DrafterCounts:
+    """One decoding step's speculation split by drafter (pool index; -1: decoded plainly):
+    sequence-steps, draft tokens verified and accepted, what ``EngineMetrics`` and the server's
+    exporter both add up; and the step's chain label ("mixed" when its sequences drafted with
+    different drafters, so no one chain names it)."""
+
+    by_drafter: dict[int, tuple[int, int, int]]
+    mixed: bool
+
+    @classmethod
+    def count(cls, drafters: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
+              chain: tuple[int, ...]) -> DrafterCounts:
+        accepted = np.minimum(num_accepted, num_verified)
+        by_drafter = {}
+        for d in np.unique(drafters).tolist():
+            rows = drafters == d
+            by_drafter[d] = (int(rows.sum()), int(num_verified[rows].sum()),
+                             int(accepted[rows].sum()))
+        return cls(by_drafter, mixed=not chain and bool((drafters >= 0).any()))
+
+    def chain_label(self, pool_names, chain) -> str:
+        return "mixed" if self.mixed else chain_label(pool_names, chain)
+
+    @staticmethod
+    def drafter_name(pool_names, d: int) -> str:
+        return pool_names[d] if 0 <= d < len(pool_names) else "target"
+
+
 @dataclasses.dataclass
 class EngineMetrics:
     max_gamma: int
@@ -123,35 +152,28 @@ class EngineMetrics:
             self.stage_time[stage] = self.stage_time.get(stage, 0.0) + seconds
         if outcome.num_decode:
             self.record_spec(outcome.spec_counts, outcome.batch_size)
-            mixed = (not outcome.chain and outcome.drafters is not None
-                     and bool((np.asarray(outcome.drafters) >= 0).any()))
-            # a step whose sequences drafted with different drafters has no one chain
-            label = "mixed" if mixed else self.chain_label(outcome.chain)
+            drafter_counts = outcome.drafter_counts
+            label = (drafter_counts.chain_label(self.pool_names, outcome.chain)
+                     if drafter_counts is not None else self.chain_label(outcome.chain))
             self.chain_histogram[label] = self.chain_histogram.get(label, 0) + 1
             hist = self.chain_histogram_by_batch.setdefault(batch_bucket(outcome.batch_size), {})
             hist[label] = hist.get(label, 0) + 1
-            self.record_drafters(outcome)
+            if drafter_counts is not None:
+                self.record_drafters(drafter_counts, outcome.batch_size)
 
-    def record_drafters(self, outcome: "StepRecord") -> None:
+    def record_drafters(self, counts: DrafterCounts, batch_size: int) -> None:
         """Fold in which drafter drafted each decoding sequence, and what it got accepted."""
-        drafters = outcome.drafters
-        if drafters is None:
-            return
-        drafters = np.asarray(drafters)
-        verified = np.asarray(outcome.num_verified)
-        accepted = np.minimum(np.asarray(outcome.num_accepted), verified)
-        hist = self.drafter_histogram_by_batch.setdefault(batch_bucket(outcome.batch_size), {})
-        for d in np.unique(drafters).tolist():
-            rows = drafters == d
-            name = self.pool_names[d] if d >= 0 else "target"
-            hist[name] = hist.get(name, 0) + int(rows.sum())
+        hist = self.drafter_histogram_by_batch.setdefault(batch_bucket(batch_size), {})
+        for d, (rows, drafted, accepted) in counts.by_drafter.items():
+            name = counts.drafter_name(self.pool_names, d)
+            hist[name] = hist.get(name, 0) + rows
             if d < 0:
                 continue
             entry = self.drafter_stats.setdefault(
                 name, {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0})
-            entry["num_drafts"] += int(rows.sum())
-            entry["num_draft_tokens"] += int(verified[rows].sum())
-            entry["num_accepted_tokens"] += int(accepted[rows].sum())
+            entry["num_drafts"] += rows
+            entry["num_draft_tokens"] += drafted
+            entry["num_accepted_tokens"] += accepted
 
     def record_spec(self, counts: SpecCounts, batch_size: int = 0) -> None:
         """Fold in one decoding step's speculation counts (``StepRecord.spec_counts``)."""

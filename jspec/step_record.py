@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jspec.metrics import SpecCounts
+from jspec.metrics import DrafterCounts, SpecCounts
 from jspec.policies import StepOutcome
 
 if TYPE_CHECKING:  # the step's state imports JAX; the record (read by the simulator) does not
@@ -33,8 +33,10 @@ class StepRecord(StepOutcome):
     gamma_bucket: int = 0  # the compiled γ bucket the step ran in (0: no draft work)
     num_running: int = 0  # sequences running after the step
     num_waiting: int = 0  # queue depth after the step
-    # the step's speculation counts, computed once for every reader (None without decoding rows)
+    # the step's speculation counts, overall and per drafter, computed once for every reader
+    # (None without decoding rows)
     spec_counts: SpecCounts | None = None
+    drafter_counts: DrafterCounts | None = None
 
 
 def _signal_reader(st: "StepState", fetched: "Fetched", verified: np.ndarray, max_gamma: int):
@@ -79,6 +81,8 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
     model_forwards = int(np.max(np.asarray(extra.get("num_drafted", num_drafted))[by_model],
                                 initial=0))
     counts = SpecCounts.count(planned, verified, accepted, emitted, max_gamma) if n else None
+    chain = st.chain if gamma else ()
+    by_drafter = DrafterCounts.count(drafters, verified, accepted, chain) if n else None
     signal = _signal_reader(st, fetched, verified, max_gamma)
     t = clock.times
     return StepRecord(
@@ -95,5 +99,5 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
         stage_times=dict(t), gamma_bucket=gamma, num_tokens=st.num_tokens,
         num_padded_tokens=st.num_padded_tokens,
         num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
-        chain=st.chain if gamma else (), intermediate_time=t["intermediate"],
-        spec_counts=counts, drafters=drafters, model_forwards=model_forwards, **extra)
+        chain=chain, intermediate_time=t["intermediate"], spec_counts=counts,
+        drafter_counts=by_drafter, drafters=drafters, model_forwards=model_forwards, **extra)

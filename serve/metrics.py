@@ -33,12 +33,11 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-import numpy as np
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jspec.metrics import SpecCounts
+from jspec.metrics import DrafterCounts, SpecCounts
 from jspec.policies.base import batch_bucket, chain_label
 from jspec.step_record import StepRecord
 from jspec.step_state import STAGES
@@ -289,30 +288,27 @@ class ServerMetrics:
             return
         self.gamma_last_step.set(float(o.gammas.mean()))
         bucket = batch_bucket(o.batch_size)
-        mixed = not o.chain and o.drafters is not None and bool((o.drafters >= 0).any())
-        key = ("mixed" if mixed else o.chain, bucket)
+        drafter_counts = o.drafter_counts
+        label = (drafter_counts.chain_label(self._pool, o.chain) if drafter_counts is not None
+                 else chain_label(self._pool, o.chain))
+        key = (label, bucket)
         child = self._chains.get(key)
         if child is None:
-            label = "mixed" if mixed else chain_label(self._pool, o.chain)
             child = self._chains[key] = self.spec_chain.labels(label, str(bucket))
         child.inc()
         self._observe_spec(o.spec_counts, bucket)
-        self._observe_drafters(o, bucket)
+        if drafter_counts is not None:
+            self._observe_drafters(drafter_counts, bucket)
 
-    def _observe_drafters(self, o: StepRecord, bucket: int) -> None:
-        """Which drafter drafted each sequence and what it got accepted (the same split as
-        ``EngineMetrics.drafter_stats``)."""
-        if o.drafters is None:
-            return
-        verified = np.asarray(o.num_verified)
-        accepted = np.minimum(np.asarray(o.num_accepted), verified)
-        for d in np.unique(o.drafters).tolist():
-            rows = o.drafters == d
-            name = self._pool[d] if 0 <= d < len(self._pool) else "target"
-            self.drafter_drafts.labels(name, str(bucket)).inc(int(rows.sum()))
+    def _observe_drafters(self, counts: DrafterCounts, bucket: int) -> None:
+        """Which drafter drafted each sequence and what it got accepted (the same counts
+        ``EngineMetrics.drafter_stats`` adds up)."""
+        for d, (rows, drafted, accepted) in counts.by_drafter.items():
+            name = counts.drafter_name(self._pool, d)
+            self.drafter_drafts.labels(name, str(bucket)).inc(rows)
             if d >= 0:
-                self.drafter_draft_tokens.labels(name).inc(int(verified[rows].sum()))
-                self.drafter_accepted_tokens.labels(name).inc(int(accepted[rows].sum()))
+                self.drafter_draft_tokens.labels(name).inc(drafted)
+                self.drafter_accepted_tokens.labels(name).inc(accepted)
 
     def _observe_spec(self, counts: SpecCounts, bucket: int) -> None:
         """Fold in one decoding step's speculation counts (the ones EngineMetrics adds up)."""
