@@ -152,8 +152,10 @@ class LookupProposer(Proposer):
     """A drafter that looks each drafting row's continuation up on the host (``draft``), with
     no distribution: the shared step of prompt lookup and suffix decoding."""
 
-    def __init__(self, max_num_seqs: int):
-        self.tokens = TokenBuffers(max_num_seqs)  # each request's tokens
+    def __init__(self, max_num_seqs: int, tokens: TokenBuffers | None = None):
+        # each request's tokens; one engine's lookups share them (each syncs and indexes a
+        # sequence's new tokens once per step, not once per lookup)
+        self.tokens = tokens if tokens is not None else TokenBuffers(max_num_seqs)
         # request -> (its length, its draft at Γmax) from the plan's survey, reused by the
         # step's propose while the sequence has not grown since
         self._surveyed: dict[str, tuple[int, np.ndarray]] = {}
@@ -212,11 +214,12 @@ class NgramProposer(LookupProposer):
 
     name = "ngram"
 
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, max_num_seqs: int):
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, max_num_seqs: int,
+                 tokens: TokenBuffers | None = None):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min} and {prompt_lookup_max}")
-        super().__init__(max_num_seqs)
+        super().__init__(max_num_seqs, tokens)
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
 
     def draft(self, seq, gamma: int) -> np.ndarray:

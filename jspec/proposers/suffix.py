@@ -29,7 +29,7 @@ import collections
 
 import numpy as np
 
-from jspec.proposers.ngram import LookupProposer, longest_earlier_suffix
+from jspec.proposers.ngram import LookupProposer, TokenBuffers, longest_earlier_suffix
 
 # a node: [count, {token: node}, (best token, its node, children's total count) or None]; the
 # last is computed when a draft first reads the node and dropped when a child's count changes
@@ -173,12 +173,13 @@ class SuffixProposer(LookupProposer):
     name = "suffix"
 
     def __init__(self, max_depth: int, max_spec_factor: float, min_token_prob: float,
-                 max_cached_requests: int, max_num_seqs: int):
+                 max_cached_requests: int, max_num_seqs: int,
+                 tokens: TokenBuffers | None = None):
         self.max_depth = max_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.max_cached_requests = max_cached_requests
-        super().__init__(max_num_seqs)
+        super().__init__(max_num_seqs, tokens)
         self.global_tree = SuffixTree(max_depth)
         self._running: dict[str, object] = {}  # sequences drafted for, until they finish
         # the finished requests' outputs the global tree holds, oldest first
