@@ -278,22 +278,26 @@ def test_greedy_lookup_equals_target_only(repeating_target, repeating_reference,
     assert engine.runner.num_compiled == compiled  # the warm-up compiled every shape it ran
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_sampling_with_lookup_drafts_keeps_the_target_distribution(repeating_target, method):
-    """Through the engine: the first token (prefill) and the second (a decode step in which
-    the lookup drafts the cycle's next token) follow the target's exact marginals."""
+def assert_first_two_tokens_follow_the_target(engine, target, n: int = 1600) -> None:
+    """Through ``engine``: the first token (prefill) and the second (a decode step in which a
+    lookup drafts the cycle's next token) of ``n`` seeded samples follow ``target``'s exact
+    marginals."""
     prompt = [30, 31, 32, 33, 34, 35, 30, 31]
     temperature = 1.0
-    p1, p2 = _exact_two_token_marginals(repeating_target, prompt, temperature)
-    n = 1600
+    p1, p2 = _exact_two_token_marginals(target, prompt, temperature)
     params = [SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True)
               for i in range(n)]
-    engine = make_engine(repeating_target, None, speculative_method=method,
-                         prompt_lookup_min=1)
     outs = run_to_completion(engine, [prompt] * n, params)
     tokens = np.array([outs[str(i)].token_ids for i in range(n)])
     assert not chi2_rejects(np.bincount(tokens[:, 0], minlength=p1.size), p1)
     assert not chi2_rejects(np.bincount(tokens[:, 1], minlength=p2.size), p2)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_sampling_with_lookup_drafts_keeps_the_target_distribution(repeating_target, method):
+    engine = make_engine(repeating_target, None, speculative_method=method,
+                         prompt_lookup_min=1)
+    assert_first_two_tokens_follow_the_target(engine, repeating_target)
     m = engine.metrics
     assert 0 < m.spec_decode_num_accepted_tokens < m.spec_decode_num_draft_tokens
 

@@ -21,9 +21,10 @@ Workloads (``--workload``, ``jspec.bench.workloads``): code, code-continuation (
 cut part way through their body), spec-bench, alpaca, sharegpt and mixed (every prompt of
 spec-bench, sharegpt, code and code-continuation, each keeping its category; ``--category`` picks
 among them) are single requests; ``multiturn`` is conversations, each arrival the start of one
-(``--num-requests`` counts conversations). Its driver is closed-loop per conversation: turn k+1 is sent ``--think-time``
-seconds after turn k's last chunk arrived, its prompt the token ids of turn k's prompt + turn k's
-output (the engine's own answer, as a chat client resends it) + the new user message wrapped as
+(``--num-requests`` counts conversations). Its driver is closed-loop per conversation: turn k+1
+is sent ``--think-time`` seconds after turn k's last chunk arrived, its prompt the token ids of
+turn k's prompt + turn k's output (the engine's own answer, as a chat client resends it) + the
+new user message wrapped as
 ``"\\n\\nUser: {msg}\\n\\nAssistant:"``, so every turn's prompt starts with the previous one bit for
 bit: what prefix caching reuses. A conversation ends early (counted as truncated) when its next
 prompt + output budget would exceed the engine's context limit. The conversations come from a
