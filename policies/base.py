@@ -239,6 +239,14 @@ def expected_tokens(alpha: float, gammas) -> np.ndarray:
     return powers[gammas]
 
 
+def upper_bound(alpha: float, judged_tokens: float, z: float) -> float:
+    """An acceptance rate ``alpha`` plus ``z`` standard errors over ``judged_tokens`` judged
+    tokens (at least one), at most 1: a rate with thin evidence plans high, so its drafter is
+    tried and learns."""
+    a = alpha + z * float(np.sqrt(alpha * (1.0 - alpha) / max(judged_tokens, 1.0)))
+    return min(a, 1.0)
+
+
 def judged_rows(outcome: "StepOutcome") -> tuple[np.ndarray, np.ndarray]:
     """Per sequence of a step, (accepted, judged) draft tokens: judged = the accepted prefix plus
     the first rejection, if the sequence had one (accepted < verified). The tokens behind a

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from jspec.policies.base import BatchView, DraftPlan, StepOutcome, judged_rows
+from jspec.policies.base import BatchView, DraftPlan, StepOutcome, judged_rows, upper_bound
 
 _REQUEST_PRIOR = 4.0  # pseudo-tokens of the drafter-wide rate in a sequence's own rate
 _REQUEST_DECAY = 0.8  # weight of a sequence's older evidence per step it drafted with a drafter
@@ -56,8 +56,7 @@ _CATCH_UP_DECAY = 0.95  # weight of older catch-ups, per step that caught up
 class DrafterChoice:
     """Acceptance per (sequence, drafter) and the per-step plan (module docstring)."""
 
-    def __init__(self, max_gamma: int, alpha0: float, confidence_z: float):
-        self.max_gamma = max_gamma
+    def __init__(self, alpha0: float, confidence_z: float):
         self.alpha0 = alpha0
         self.z = confidence_z
         self.rate: dict[int, float] = {}  # drafter -> EMA of its per-step judged rate
@@ -69,9 +68,7 @@ class DrafterChoice:
 
     def drafter_rate(self, d: int) -> float:
         """Drafter ``d``'s rate at its upper confidence bound, at most 1."""
-        a = self.rate.get(d, self.alpha0)
-        n = max(self.judged.get(d, 0.0), 1.0)
-        return min(1.0, a + self.z * float(np.sqrt(a * (1.0 - a) / n)))
+        return upper_bound(self.rate.get(d, self.alpha0), self.judged.get(d, 0.0), self.z)
 
     def seq_rates(self, request_ids, d: int) -> np.ndarray:
         """Each sequence's rate of drafter ``d``: its own judged tokens, shrunk towards the

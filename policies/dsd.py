@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, expected_tokens,
-                           judged_acceptance, option_bool, option_number)
+                           judged_acceptance, option_bool, option_number, upper_bound)
 from jspec.policies.measured_time import MeasuredTime
 from jspec.policies.profile import StepProfile, load_profile
 
@@ -94,10 +94,7 @@ class DSDPolicy(Policy):
     @property
     def planning_alpha(self) -> float:
         """α plus ``confidence_z`` standard errors over ``judged_tokens`` tokens, at most 1."""
-        a = self.alpha
-        if self.confidence_z > 0:
-            a += self.confidence_z * float(np.sqrt(a * (1.0 - a) / max(self.judged_tokens, 1.0)))
-        return min(a, 1.0)
+        return upper_bound(self.alpha, self.judged_tokens, self.confidence_z)
 
     def goodputs(self, view: BatchView) -> np.ndarray:
         """Predicted goodput n·E(γ)/T(γ) for γ = 0..max_gamma."""

@@ -36,7 +36,7 @@ def _learn(choice: DrafterChoice, view, drafters, accepted, gamma: int = 4):
 
 
 def test_each_sequence_takes_the_drafter_its_acceptance_favours():
-    choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
     view = _view([4, 4, 0, 0])
     for _ in range(20):  # r0, r1 accept whole lookups; the model's drafts of r2, r3 accept
         _learn(choice, view, [NGRAM, NGRAM, MODEL, MODEL], [4, 4, 3, 3])
@@ -47,7 +47,7 @@ def test_each_sequence_takes_the_drafter_its_acceptance_favours():
 
 
 def test_an_expensive_draft_model_is_left_out_and_lookups_draft_alone():
-    choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
     view = _view([4, 0, 3, 0])
     for _ in range(20):
         _learn(choice, view, [NGRAM, MODEL, NGRAM, MODEL], [4, 1, 3, 1])
@@ -59,7 +59,7 @@ def test_an_expensive_draft_model_is_left_out_and_lookups_draft_alone():
 
 
 def test_a_row_the_draft_model_lags_far_behind_is_not_worth_its_catch_up():
-    choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
     view = dataclasses.replace(_view([0, 0, 0, 0]), pending_draft_tokens=np.array([1, 1, 600, 2]))
     for _ in range(20):
         _learn(choice, view, [MODEL] * 4, [3, 3, 3, 3])
@@ -70,7 +70,7 @@ def test_a_row_the_draft_model_lags_far_behind_is_not_worth_its_catch_up():
 
 
 def test_plain_decoding_when_nothing_pays():
-    choice = DrafterChoice(4, alpha0=0.6, confidence_z=0.0)
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
     view = _view([0, 0, 0, 0])
     for _ in range(20):
         _learn(choice, view, [MODEL] * 4, [0, 0, 0, 0])
@@ -80,7 +80,7 @@ def test_plain_decoding_when_nothing_pays():
 
 
 def test_before_steps_can_be_priced_every_drafter_drafts_the_longest():
-    choice = DrafterChoice(4, alpha0=0.6, confidence_z=2.0)
+    choice = DrafterChoice(alpha0=0.6, confidence_z=2.0)
     view = _view([2, 0, 4])
     plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, lambda g, forwards: None)
     assert plan.gammas.tolist() == [4, 4, 4]
