@@ -53,7 +53,7 @@ PRESETS = {
                          "4096", "--prefill", "512", "--migrate-blocks", "512", "--layers", "24",
                          "--repeats", "5"],
         "greedy": {"kernel_backend": "pallas", "prompts": 4, "max_tokens": 48,
-                   "dtypes": ["float32", "bfloat16"]},
+                   "dtypes": ["float32", "bfloat16"], "drafters": "draft_model+ngram+suffix"},
         "serving": {"shape": "qwen2.5-7b", "levels": [1, 8, 32], "policies": ["off",
                     "static:gamma=3"], "max_tokens": 64, "prompt_tokens": 32,
                     "acceptance": "default-pair"},
@@ -65,7 +65,7 @@ PRESETS = {
             "test_migration_in_bf16_is_exact"]},
         "kernel_bench": ["--small", "--interpret"],
         "greedy": {"kernel_backend": "interpret", "prompts": 2, "max_tokens": 8,
-                   "dtypes": ["float32", "bfloat16"]},
+                   "dtypes": ["float32", "bfloat16"], "drafters": "draft_model+ngram+suffix"},
         "serving": {"shape": "tiny", "levels": [1, 4], "policies": ["off", "static:gamma=2"],
                     "max_tokens": 8, "prompt_tokens": 16, "acceptance": "default-pair"},
     },
@@ -258,14 +258,18 @@ def greedy(settings: dict, deadline: float, save: Callable[[dict], None]) -> dic
     tests/test_kernels.py's engine test asks); in bfloat16 the two kernels round differently,
     so a flipped near-tie may change the text: the agreement is reported, and what must hold
     there is bfloat16's own lossless claim, speculative output equal to plain decoding's on the
-    same kernel (README, "What lossless guarantees")."""
+    same kernel (README, "What lossless guarantees"). In float32 the preset's drafters (the
+    draft model and both lookups, chosen per row by `auto`) must give the reference's tokens too:
+    their one-hot and mixed verification run on the kernel."""
     cfg = settings["greedy"]
     kernel = cfg["kernel_backend"]
     prompts = list(GREEDY_PROMPTS[:cfg["prompts"]])
     checks, numbers = [], {"prompts": prompts, "max_tokens": cfg["max_tokens"], "runs": {}}
 
-    def run(name: str, dtype: str, backend: str, policy: str) -> dict:
-        numbers["runs"][name] = _greedy_run(dtype, backend, policy, prompts, cfg["max_tokens"])
+    def run(name: str, dtype: str, backend: str, policy: str,
+            method: str = "draft_model") -> dict:
+        numbers["runs"][name] = _greedy_run(dtype, backend, policy, prompts, cfg["max_tokens"],
+                                            method)
         save(judged("(running)", checks, numbers))  # kept if a later engine fails
         return numbers["runs"][name]
 
@@ -276,6 +280,15 @@ def greedy(settings: dict, deadline: float, save: Callable[[dict], None]) -> dic
         checks.append(check(f"{dtype}: {kernel} equals reference token for token", same, detail,
                             required=dtype == "float32"))
         save(judged("(running)", checks, numbers))  # a verdict survives a later timeout
+        if dtype == "float32" and cfg.get("drafters"):
+            # every drafter in one engine, chosen per row by `auto`: the one-hot and mixed
+            # verification paths on the kernel, lossless against the reference's tokens
+            mixed = run(f"{dtype} {kernel} {cfg['drafters']}", dtype, kernel, "auto",
+                        cfg["drafters"])
+            same, detail = _compare(ref, mixed)
+            checks.append(check(f"{dtype}: {cfg['drafters']} (auto) on {kernel} equals "
+                                "reference", same, detail))
+            save(judged("(running)", checks, numbers))
         if dtype == "bfloat16":
             plain = run(f"{dtype} {kernel} plain", dtype, kernel, "off")
             same, detail = _compare(plain, got)
@@ -286,8 +299,9 @@ def greedy(settings: dict, deadline: float, save: Callable[[dict], None]) -> dic
 
 
 def _greedy_run(dtype: str, kernel_backend: str, policy: str, prompts: list[str],
-                max_tokens: int) -> dict:
-    """Token ids, each step's top-2 log-probabilities and the acceptance of one engine."""
+                max_tokens: int, method: str = "draft_model") -> dict:
+    """Token ids, each step's top-2 log-probabilities, the acceptance and the drafts per drafter
+    of one engine."""
     import gc
 
     from jspec.llm import LLM
@@ -296,7 +310,7 @@ def _greedy_run(dtype: str, kernel_backend: str, policy: str, prompts: list[str]
     start = time.perf_counter()
     llm = LLM(dtype=dtype, kernel_backend=kernel_backend, policy=policy,
               num_speculative_tokens=4, max_num_seqs=len(prompts), max_model_len=256,
-              warmup=False, use_tqdm=False)
+              speculative_method=method, warmup=False, use_tqdm=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=2)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -305,8 +319,10 @@ def _greedy_run(dtype: str, kernel_backend: str, policy: str, prompts: list[str]
            "top2_logprobs": [[sorted((p.logprob for p in step.values()), reverse=True)[:2]
                               for step in o.logprobs] for o in outs],
            "acceptance_rate": llm.metrics["acceptance_rate"],
+           "drafts_by_drafter": {name: stats["num_drafts"] for name, stats
+                                 in llm.metrics["drafter_stats"].items()},
            "seconds": time.perf_counter() - start}
-    print(f"{dtype} {run['kernel_backend']} {policy}: {len(prompts)} x {max_tokens} tokens in "
+    print(f"{dtype} {run['kernel_backend']} {method} {policy}: {len(prompts)} x {max_tokens} tokens in "
           f"{run['seconds']:.1f} s, acceptance {run['acceptance_rate']:.3f}", flush=True)
     del llm, outs
     gc.collect()
