@@ -237,6 +237,34 @@ class ResolvedConfig:
                              f"(1 + γ={gamma})")
         return num_rows * (1 + gamma)
 
+    def ragged_verify_pays(self, num_tokens: int, num_rows: int, gamma: int,
+                           head_share: float) -> bool:
+        """Whether a decode-only step of ``num_tokens`` verified tokens over ``num_rows`` rows
+        at γ bucket ``gamma`` costs less verified as a step with prefill is (its tokens padded
+        to a token bucket, its logits rows to the widest row bucket) than at its fused width
+        num_rows * (1 + gamma). Worth asking when rows verify fewer than γ tokens: a lookup
+        verifies only what it found. Costs in forward tokens, a logits row costing
+        ``head_share`` of one (the LM head's share of the model's work per token)."""
+        if self.engine.max_num_seqs < 2:  # no step with prefill beside a drafting row
+            return False
+        widest = self.seq_buckets[-1]
+        fused = num_rows * (1 + gamma) * (1 + head_share)
+        try:
+            ragged = self.token_bucket(num_tokens) + widest * (1 + gamma) * head_share
+        except ValueError:  # wider than the token budget
+            return False
+        return ragged < fused
+
+    def decode_verify_width(self, num_tokens: int, num_rows: int, gamma: int,
+                            lookups_only: bool, head_share: float) -> tuple[int, bool]:
+        """(width, ragged) of a decode-only step's verification: at a token bucket where its
+        drafts came from lookups alone and that costs less (``ragged_verify_pays``), else its
+        fused width num_rows * (1 + gamma)."""
+        if gamma and lookups_only and self.ragged_verify_pays(num_tokens, num_rows, gamma,
+                                                              head_share):
+            return self.token_bucket(num_tokens), True
+        return num_rows * (1 + gamma), False
+
     def token_bucket(self, n: int) -> int:
         for b in self.token_buckets:
             if b >= n:

@@ -80,6 +80,7 @@ class LLMEngine:
         self.planner.draft_resident = lambda: self.draft_resident
         self.chains = chains
         self.executor = Executor(self.runner, self.rc)
+        self.planner.head_share = self.executor.head_share
         self.outputs = OutputProcessor(tokenizer, target.cfg.eos_token_ids)
         self.committer = Committer(self.scheduler, self.block_manager, self.outputs)
         self.inputs = InputProcessor(tokenizer, len(pool), config.seed)

@@ -47,6 +47,8 @@ class Planner:
         # a policy decision: the leader's on every process of a multi-process run
         self.decide: Callable[[Callable], object] = lambda fn: fn()
         self.draft_resident: Callable[[], bool] = lambda: True
+        # the LM head's share of the target's work per token (``executor.head_share``)
+        self.head_share = 0.0
 
     def plan(self, sched) -> StepState:
         """The step's rows, the policy's plan (γ per decoding row, clipped), the γ bucket and
@@ -203,7 +205,22 @@ class Planner:
             prefill_backlog_tokens=backlog_tokens,
             prefill_backlog_requests=backlog_requests,
             lookup_lengths=self._survey(decode_rows),
+            verify_width=self._verify_width(len(decode_rows), st.num_prefill_tokens),
         )
+
+    def _verify_width(self, n: int, prefill_tokens: int):
+        """The width rule of ``Executor.verify`` for a step of ``n`` decoding rows and
+        ``prefill_tokens`` prompt tokens (``BatchView.verify_width``)."""
+        rc, rows = self.rc, self.rc.seq_bucket(max(n, 1))
+
+        def width(gammas, gamma: int, model_drafts: bool) -> int:
+            tokens = prefill_tokens + n + int(np.sum(gammas))
+            if prefill_tokens:
+                return rc.token_bucket(min(tokens, rc.max_num_batched_tokens))
+            return rc.decode_verify_width(tokens, rows, gamma, not model_drafts,
+                                          self.head_share)[0]
+
+        return width
 
     def _survey(self, decode_rows) -> dict[int, np.ndarray]:
         """What each lookup would draft for each decoding row, for a policy that reads it."""

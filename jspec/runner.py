@@ -585,11 +585,13 @@ class ModelRunner:
         return next(t for t in self.catch_up_buckets if t >= num_tokens)
 
     # ------------------------------------------------------------------ running
-    def run_verify_forward(self, batch: ModelInput, draft_tokens, draft_slots, gamma: int):
-        """Target logits [S*(γ+1), V] of the verify batch (stays on device)."""
+    def run_verify_forward(self, batch: ModelInput, draft_tokens, draft_slots, gamma: int,
+                           decode_only: bool = False):
+        """Target logits [S*(γ+1), V] of the verify batch (stays on device). ``decode_only``:
+        no row brings more than γ + 1 tokens (a decode-only step at a token bucket)."""
         num_seqs = batch.attn.kv_lens.shape[0]
         forward = self.verify_executable(batch.input_ids.shape[0], num_seqs, gamma,
-                                         self._segmented)
+                                         self._segmented, decode_only)
         args = (draft_tokens, draft_slots) if gamma else ()
         logits, self.target_kv = forward(self.target.params, self.target_kv, batch, *args)
         return logits
@@ -859,6 +861,11 @@ class ModelRunner:
         # prefill next to a drafting sequence needs two sequences at least
         mixed = gammas if rc.engine.max_num_seqs >= 2 else [0]
         plan += [("verify", t, widest, g) for g in mixed for t in rc.token_buckets]
+        if self.lookup and rc.engine.max_num_seqs >= 2:
+            # decode-only steps of lookups' drafts at a token bucket narrower than the widest
+            # rows' fused width (ResolvedConfig.decode_verify_width)
+            plan += [("verify", t, widest, g, False, True) for g in drafting
+                     for t in rc.token_buckets if t < widest * (1 + g)]
         plan += [("accept", widest, 0)]
         if rc.engine.max_num_seqs >= 2:
             plan += [("accept", widest, g) + ((k,) if k != "dist" else ())

@@ -54,6 +54,9 @@ class StepState:
     fetch_time: float = 0.0  # the result transfer (inside the commit stage)
     num_tokens: int = 0  # target tokens in the verify batch
     num_padded_tokens: int = 0  # the verify batch's width (its compiled bucket)
+    # a decode-only step verified as a step with prefill is, at a token bucket
+    # (``Executor.verify``): its rows padded to the widest bucket
+    ragged: bool = False
     # dispatched, not yet read back (device): the verify's logits and VerifyResult, the
     # requested logprobs and the policy's signals; dropped once committed
     logits: Any = None
@@ -75,6 +78,12 @@ class StepState:
     @property
     def has_prefill(self) -> bool:
         return len(self.decode_idx) < len(self.rows)
+
+    @property
+    def verified_ragged(self) -> bool:
+        """Verified at a token bucket, sampled apart (``Executor.accept``): a step with prefill,
+        or a decode-only one whose drafts are short enough (``ragged``)."""
+        return self.ragged or self.has_prefill
 
     @functools.cached_property
     def decode_rows(self) -> list[RowWork]:

@@ -85,17 +85,16 @@ class AutoPolicy(DSDPolicy):
                                  self._step_time(view, model is not None))
 
     def _step_time(self, view: BatchView, with_model: bool):
-        """T(g, f): a decode step verified at bucket g in which the draft model runs f
+        """T(w, f): a step whose verify is w tokens wide and in which the draft model runs f
         forwards, from the run's own whole-step line (``StepLine``); None for all until it
         can tell the costs apart."""
-        n = view.num_decode
         beta = self._line.coefficients()  # solved once per plan
         if beta is None:
-            return lambda g, forwards: None
+            return lambda width, forwards: None
         a, b, c = beta if len(beta) == 3 else (*beta, 0.0)
 
-        def step_time(g: int, forwards: int) -> float:
-            return float(a + b * n * (g + 1) + (c * forwards if with_model else 0.0))
+        def step_time(width: int, forwards: int) -> float:
+            return float(a + b * width + (c * forwards if with_model else 0.0))
 
         return step_time
 

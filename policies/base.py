@@ -56,6 +56,10 @@ class BatchView:
     # per lookup drafter (pool index): how many tokens it would draft now for each sequence,
     # at most Γmax; given to a policy that reads them (``Policy.reads_lookups``)
     lookup_lengths: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # the engine's verify width: ``verify_width(gammas, g, model_drafts)`` is the padded tokens
+    # of the target's pass if decoding row i verifies gammas[i] drafts at γ bucket g, the draft
+    # model drafting some of them (``model_drafts``) or only lookups; None: n x (1 + g)
+    verify_width: Any = None
 
     @property
     def num_decode(self) -> int:

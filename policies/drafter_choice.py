@@ -2,17 +2,16 @@
 ``auto`` plans with when the engine has drafters without a model (prompt lookup, suffix
 decoding) beside or instead of a draft model.
 
-A step's cost has a shape that makes this a small search rather than a per-row one. In a
-decode-only step every row is verified as wide as the step's γ bucket g (the target's forward
-is n·(g + 1) tokens whatever each row drafted), and the draft model, if any row uses it, runs
-its loop g forwards for the whole batch. So the step's time depends only on (g, whether the
-draft model runs):
+A step's cost has a shape that makes this a small search rather than a per-row one. The draft
+model, if any row uses it, runs its loop f forwards for the whole batch, and the target verifies
+the step at a width W the engine sets (``BatchView.verify_width``): n·(g + 1) tokens at γ
+bucket g when the draft model drafts, and when only lookups draft, the token bucket of what
+they found, Σ(1 + γ_i), where that costs less (``ResolvedConfig.decode_verify_width``). So
 
-    T(g, f) = a + b·n·(g + 1) + c·f
+    T = a + b·W + c·f
 
-(f: the draft model's draft length this step, 0 when it does not run; a, b, c fitted on the
-run's own whole steps, ``measured_time.StepLine``), and given (g, f) each row takes the
-drafter that yields it the most tokens, at no extra cost:
+(a, b, c fitted on the run's own whole steps, ``measured_time.StepLine``), and given (g, f)
+each row takes the drafter that yields it the most tokens:
 
     E_i(g, f) = max(1, Σ_{j=0..f} α_{i,model}^j if the model runs,
                        Σ_{j=0..min(L_{i,d}, g)} α_{i,d}^j for each lookup d)
@@ -84,10 +83,10 @@ class DrafterChoice:
     def plan(self, view: BatchView, model: int | None, lookups: tuple[int, ...],
              buckets: tuple[int, ...], step_time) -> DraftPlan:
         """The plan of greatest predicted goodput. ``model``: the draft model's pool index
-        (None: none, or away); ``buckets``: the drafting γ buckets; ``step_time(g, f)`` ->
-        seconds of a decode step verified at bucket g in which the draft model runs f forwards
-        (0: it does not run), or None while the run cannot price steps yet (then the longest
-        bucket, the draft model running every other step, to learn both)."""
+        (None: none, or away); ``buckets``: the drafting γ buckets; ``step_time(w, f)`` ->
+        seconds of a step whose verify is w tokens wide and in which the draft model runs f
+        forwards (0: it does not run), or None while the run cannot price steps yet (then the
+        longest bucket, the draft model running every other step, to learn both)."""
         n = view.num_decode
         ids = view.request_ids
         top = max(buckets)
@@ -97,17 +96,21 @@ class DrafterChoice:
         def expected(d):  # [n, top + 1]: Σ_{j=0..L} α_{i,d}^j for every length L
             return np.cumsum(self.seq_rates(ids, d)[:, None] ** powers[None, :], axis=1)
 
-        # per bucket: each row's best lookup (tokens, which), 1 token and -1 without one
+        # per bucket: each row's best lookup (tokens, which, its draft length), 1 token, -1 and
+        # 0 without one
         look_tokens = np.ones((len(buckets), n))
         look_which = np.full((len(buckets), n), -1, np.int64)
+        look_len = np.zeros((len(buckets), n), np.int64)
         for d in lookups:
             table = expected(d)
             found = view.lookup_lengths.get(d, np.zeros(n, np.int64))
             for b, g in enumerate(buckets):
-                tokens = table[rows, np.minimum(found, g)]
+                length = np.minimum(found, g)
+                tokens = table[rows, length]
                 better = tokens > look_tokens[b] + 1e-9
                 look_tokens[b] = np.where(better, tokens, look_tokens[b])
                 look_which[b] = np.where(better, d, look_which[b])
+                look_len[b] = np.where(better, length, look_len[b])
         model_tokens = expected(model).T if model is not None else None  # [top + 1, n]
 
         # the draft model's catch-up before it drafts a row it has not seen for a while (its
@@ -128,7 +131,17 @@ class DrafterChoice:
             return (np.where(better, model_tokens[model_gamma], look_tokens[b]),
                     np.where(better, model, look_which[b]), float(catch_up[better].sum()))
 
-        plain = step_time(0, 0)
+        verify_width = view.verify_width or (lambda gammas, g, model_drafts: n * (1 + g))
+
+        def seconds_of(b: int, drafters, model_gamma: int) -> float:
+            """The step's seconds (without catch-up) with these drafters at bucket b: its
+            verify width from the rows' draft lengths, the model's forwards if it drafts."""
+            runs = model_gamma if model_gamma and (drafters == model).any() else 0
+            gammas = np.where(drafters == model, model_gamma,
+                              np.where(drafters >= 0, look_len[b], 0))
+            return step_time(verify_width(gammas, buckets[b], runs > 0), runs)
+
+        plain = step_time(verify_width(np.zeros(n, np.int64), 0, False), 0)
         if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
             self._explore += 1
             model_gamma = top if model is not None and self._explore % 2 == 1 else 0
@@ -137,12 +150,12 @@ class DrafterChoice:
             g, best, value = 0, None, n / plain
             for b, bucket in enumerate(buckets):
                 for model_gamma in range(bucket + 1 if model is not None else 1):
-                    seconds = step_time(bucket, model_gamma)
                     tokens, drafters, _ = choice(b, model_gamma)
+                    seconds = seconds_of(b, drafters, model_gamma)
                     tokens, drafters, extra = choice(b, model_gamma, tokens.sum() / seconds)
                     if model_gamma and not (drafters == model).any():
-                        continue  # the same step as without the model, priced higher
-                    candidate = tokens.sum() / (seconds + extra)
+                        continue  # the same step as without the model
+                    candidate = tokens.sum() / (seconds_of(b, drafters, model_gamma) + extra)
                     if candidate > value:
                         g, best, value = bucket, (tokens, drafters, model_gamma), candidate
         if best is None:

@@ -267,9 +267,15 @@ def test_greedy_lookup_equals_target_only(repeating_target, repeating_reference,
                                           method):
     engine = make_engine(repeating_target, None, speculative_method=method, **overrides)
     compiled = engine.runner.num_compiled  # after the warm-up
+    records = []
+    engine.add_step_listener(records.append)
     outs = run_to_completion(engine, _prompts(), GREEDY)
     for i, ref in enumerate(repeating_reference):
         assert outs[str(i)].token_ids == ref, f"prompt {i}"
+    # some decode steps verified only the tokens the lookups found, narrower than rows x (1 + γ)
+    rc = engine.rc
+    assert any(r.gamma_bucket and not r.num_prefill_tokens and r.num_padded_tokens
+               < rc.seq_bucket(r.num_decode) * (1 + r.gamma_bucket) for r in records)
     m = engine.metrics
     assert m.spec_decode_num_accepted_tokens > 0.25 * m.spec_decode_num_draft_tokens > 0
     if "num_kv_blocks" in overrides:
@@ -340,3 +346,21 @@ def test_lookup_configuration_errors(engine_models):
         EngineConfig(suffix_decoding_min_token_prob=1.5)
     with pytest.raises(ValueError, match="'suffix' drafts without a draft model"):
         make_engine(target, draft, speculative_method="suffix")
+
+
+def test_a_decode_step_verifies_at_a_token_bucket_only_where_that_costs_less():
+    from jspec.config import EngineConfig, resolve
+
+    rc = resolve(EngineConfig(max_num_seqs=16, num_speculative_tokens=4,
+                              max_num_batched_tokens=256, min_token_bucket=8), 1024, 1024)
+    assert rc.seq_buckets[-1] == 16 and 32 in rc.token_buckets and 64 in rc.token_buckets
+    # 16 rows at γ = 4 are 80 tokens fused; lookups that found 2 tokens a row verify 48 -> 64
+    assert rc.ragged_verify_pays(48, 16, 4, head_share=0.2)
+    assert not rc.ragged_verify_pays(80, 16, 4, head_share=0.2)  # 128 > 80
+    # 2 rows: the widest bucket's 16 logits rows cost more than the 2 tokens saved
+    assert not rc.ragged_verify_pays(6, 2, 4, head_share=0.2)
+    # without an LM head to pay for, any narrower bucket pays
+    assert rc.ragged_verify_pays(6, 2, 4, head_share=0.0)
+    # one sequence at a time: no step with prefill beside a drafting row is compiled
+    one = resolve(EngineConfig(max_num_seqs=1, num_speculative_tokens=4), 1024, 1024)
+    assert not one.ragged_verify_pays(1, 1, 4, head_share=0.0)

@@ -23,10 +23,8 @@ def _view(lengths, **kw):
 
 
 def _times(target_per_token: float, draft_forward: float, fixed: float = 0.01):
-    def step_time(n):
-        return lambda g, forwards: fixed + target_per_token * n * (g + 1) + (
-            forwards * draft_forward)
-    return step_time
+    """T(w, f) of a step verifying w tokens in which the draft model runs f forwards."""
+    return lambda width, forwards: fixed + target_per_token * width + forwards * draft_forward
 
 
 def _learn(choice: DrafterChoice, view, drafters, accepted, gamma: int = 4):
@@ -41,7 +39,7 @@ def test_each_sequence_takes_the_drafter_its_acceptance_favours():
     for _ in range(20):  # r0, r1 accept whole lookups; the model's drafts of r2, r3 accept
         _learn(choice, view, [NGRAM, NGRAM, MODEL, MODEL], [4, 4, 3, 3])
         _learn(choice, view, [MODEL, MODEL, -1, -1], [0, 0, 0, 0])
-    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 2e-4)(4))
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 2e-4))
     assert plan.drafters.tolist() == [NGRAM, NGRAM, MODEL, MODEL]
     assert plan.gammas.tolist() == [4, 4, 4, 4]
 
@@ -52,7 +50,7 @@ def test_an_expensive_draft_model_is_left_out_and_lookups_draft_alone():
     for _ in range(20):
         _learn(choice, view, [NGRAM, MODEL, NGRAM, MODEL], [4, 1, 3, 1])
     # the draft model's forward costs as much as the whole target step: not worth its rows
-    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 0.05)(4))
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 0.05))
     assert MODEL not in plan.drafters.tolist()
     assert plan.drafters.tolist() == [NGRAM, -1, NGRAM, -1]
     assert plan.gammas.tolist() == [4, 0, 4, 0]
@@ -65,7 +63,7 @@ def test_a_row_the_draft_model_lags_far_behind_is_not_worth_its_catch_up():
         _learn(choice, view, [MODEL] * 4, [3, 3, 3, 3])
     out = make_outcome(view, [0] * 4, [0] * 4)
     choice.observe(dataclasses.replace(out, catch_up_time=0.02, catch_up_tokens=1000))
-    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 2e-4)(4))
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-4, 2e-4))
     assert plan.drafters.tolist() == [MODEL, MODEL, -1, MODEL]  # 600 tokens: 12 ms to catch up
 
 
@@ -74,9 +72,30 @@ def test_plain_decoding_when_nothing_pays():
     view = _view([0, 0, 0, 0])
     for _ in range(20):
         _learn(choice, view, [MODEL] * 4, [0, 0, 0, 0])
-    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-3, 1e-3)(4))
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, _times(1e-3, 1e-3))
     assert plan.gammas.tolist() == [0, 0, 0, 0]
     assert plan.drafters.tolist() == [-1] * 4
+
+
+def test_a_lone_long_lookup_drafts_where_the_engine_verifies_only_what_was_found():
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
+    view = _view([4, 0, 0, 0, 0, 0, 0, 0])
+    for _ in range(20):  # the lookup's drafts of row 0 accept 90% of their tokens
+        _learn(choice, view, [NGRAM] + [-1] * 7, [4] + [0] * 7)
+        _learn(choice, view, [NGRAM] + [-1] * 7, [3] + [0] * 7)
+    times = _times(1e-3, 1e-3)
+    # every row verified Γ + 1 wide: 40 tokens for one row's 4 drafts do not pay
+    plan = choice.plan(view, None, (NGRAM,), BUCKETS, times)
+    assert plan.gammas.tolist() == [0] * 8
+    # lookups' steps verified at what they found (8 + 4 tokens): row 0 drafts its 4
+
+    def ragged(gammas, g, model_drafts):
+        return 8 * (1 + g) if model_drafts else 8 + int(np.sum(gammas))
+
+    plan = choice.plan(dataclasses.replace(view, verify_width=ragged), None, (NGRAM,), BUCKETS,
+                       times)
+    assert plan.gammas.tolist() == [4] + [0] * 7
+    assert plan.drafters.tolist() == [NGRAM] + [-1] * 7
 
 
 def test_before_steps_can_be_priced_every_drafter_drafts_the_longest():
