@@ -64,7 +64,7 @@ PRESETS = {
             "test_attention_kernel_decode_verify_and_prefill_in_one_launch",
             "test_migration_in_bf16_is_exact"]},
         "kernel_bench": ["--small", "--interpret"],
-        "greedy": {"kernel_backend": "interpret", "prompts": 2, "max_tokens": 8,
+        "greedy": {"kernel_backend": "interpret", "prompts": 1, "max_tokens": 8,
                    "dtypes": ["float32", "bfloat16"], "drafters": "draft_model+ngram+suffix"},
         "serving": {"shape": "tiny", "levels": [1, 4], "policies": ["off", "static:gamma=2"],
                     "max_tokens": 8, "prompt_tokens": 16, "acceptance": "default-pair"},

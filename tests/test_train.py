@@ -253,13 +253,13 @@ def test_distill_cli_on_self_generated_data(data, trained_target, tmp_path, caps
 
     argv = ["distill", "--config", "tiny", "--target", target, "--init", init,
             "--out", str(tmp_path / "draft"), "--steps", "2", "--seq-len", str(SEQ),
-            "--max-files", "3", "--self-generated", "12", "--self-max-tokens", "40",
+            "--max-files", "3", "--self-generated", "4", "--self-max-tokens", "16",
             "--self-batch", "4", "--checkpoint-every", "1", "--eval-windows", "0",
             "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "self-generated windows:" in out and "saved to" in out
-    cache = list((tmp_path / "draft.train-state").glob("self_generated_12_40_32.npy"))
+    cache = list((tmp_path / "draft.train-state").glob("self_generated_4_16_32.npy"))
     assert len(cache) == 1 and np.load(cache[0]).shape[1] == SEQ + 1
     assert (tmp_path / "draft" / "model.safetensors").exists()
     assert main([*argv[:argv.index("--steps") + 1], "3", *argv[argv.index("--steps") + 2:],
