@@ -322,8 +322,9 @@ def _greedy_run(dtype: str, kernel_backend: str, policy: str, prompts: list[str]
            "drafts_by_drafter": {name: stats["num_drafts"] for name, stats
                                  in llm.metrics["drafter_stats"].items()},
            "seconds": time.perf_counter() - start}
-    print(f"{dtype} {run['kernel_backend']} {method} {policy}: {len(prompts)} x {max_tokens} tokens in "
-          f"{run['seconds']:.1f} s, acceptance {run['acceptance_rate']:.3f}", flush=True)
+    print(f"{dtype} {run['kernel_backend']} {method} {policy}: {len(prompts)} x {max_tokens} "
+          f"tokens in {run['seconds']:.1f} s, acceptance {run['acceptance_rate']:.3f}",
+          flush=True)
     del llm, outs
     gc.collect()
     return run
