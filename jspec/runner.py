@@ -831,8 +831,11 @@ class ModelRunner:
         tokens (for g > 0 one per kind of draft: a pool model's, with its distribution, a
         lookup's, one-hot, or both mixed row by row), the draft loop (g > 0) and the policy's
         signals if it reads any. Steps that carry prefill, at the widest row bucket: a verify per
-        (token bucket t, g) and a sampling per g (g = 0 only when one sequence runs at a time). Draft catch-up: two
-        widths (``catch_up_buckets``) at the widest row bucket. With elastic memory the
+        (token bucket t, g) and a sampling per g (g = 0 only when one sequence runs at a time).
+        With lookups, a decode-only verify per (t, g) at the widest row bucket for the token
+        buckets below its fused width: lookups' steps verified at what they found
+        (``ResolvedConfig.decode_verify_width``), sampled like a prefill step. Draft catch-up:
+        two widths (``catch_up_buckets``) at the widest row bucket. With elastic memory the
         contraction's migration, and in the "segments" layout the γ = 0 verifies again over the
         two-segment pool and the extension's allocation.
         """

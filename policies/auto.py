@@ -82,9 +82,9 @@ class AutoPolicy(DSDPolicy):
         model = self.model if view.draft_resident else None
         buckets = tuple(b for b in (self.gamma_buckets or range(self.max_gamma + 1)) if b > 0)
         return self._choice.plan(view, model, self.lookups, buckets,
-                                 self._step_time(view, model is not None))
+                                 self._step_time(model is not None))
 
-    def _step_time(self, view: BatchView, with_model: bool):
+    def _step_time(self, with_model: bool):
         """T(w, f): a step whose verify is w tokens wide and in which the draft model runs f
         forwards, from the run's own whole-step line (``StepLine``); None for all until it
         can tell the costs apart."""

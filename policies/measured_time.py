@@ -74,8 +74,8 @@ _MIN_KIND = 2.0  # decayed steps with and without the draft model before its cos
 
 class StepLine:
     """A decoding step's time less its catch-up as a + b·w + c·F, fitted online by least
-    squares over exponentially decayed sums: w the verify forward's padded width, F the draft model's
-    forwards in the step (``StepOutcome.draft_forwards``; 0 when it did not run).
+    squares over exponentially decayed sums: w the verify forward's padded width, F the draft
+    model's forwards in the step (``StepOutcome.draft_forwards``; 0 when it did not run).
 
     Where the draft loop's device time lands among a step's stages depends on what syncs
     (unsynced, it shows up in the target's pass), so its cost is read from whole steps with and
