@@ -129,8 +129,10 @@ def kernel_tests(settings: dict, deadline: float, save: Callable[[dict], None]) 
         junit.unlink()  # a report left by an earlier run must not pass for this one's
     targets = ([f"{KERNEL_TESTS}::{name}" for name in cfg["select"]] if cfg["select"]
                else [str(KERNEL_TESTS)])
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
-           str(junit), *targets]
+    # one process on the one accelerator, and without pytest-xdist, which the project's test
+    # options ask for (pyproject.toml) but an accelerator's image may not have
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+           "--junitxml", str(junit), *targets]
     env = dict(os.environ, JSPEC_KERNEL_TESTS=cfg["mode"])
     print("$ JSPEC_KERNEL_TESTS=" + cfg["mode"] + " " + " ".join(cmd), flush=True)
     try:
