@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jspec.policies.base import drafting_buckets
+
 
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -347,8 +349,7 @@ def resolve(config: EngineConfig, target_max_positions: int, kv_bytes_per_block:
 def gamma_buckets(possible_gammas: set[int], max_gamma: int) -> tuple[int, ...]:
     """Draft-length buckets: 0, powers of two and Γmax, keeping only those that some possible γ
     rounds up to (a static policy compiles one drafting bucket, not five)."""
-    candidates = sorted({0, max_gamma} | {1 << i for i in range(max_gamma.bit_length())
-                                          if (1 << i) < max_gamma})
+    candidates = [0, *drafting_buckets(max_gamma)]
     used = set()
     for g in possible_gammas:
         used.add(next(c for c in candidates if c >= g))

@@ -25,6 +25,13 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << max(0, int(batch_size) - 1).bit_length()
 
 
+def drafting_buckets(max_gamma: int) -> tuple[int, ...]:
+    """The draft lengths > 0 the engine compiles a step for at most (config.gamma_buckets keeps
+    those some possible γ rounds up to): powers of two below Γmax, and Γmax."""
+    return tuple(sorted({max_gamma} | {1 << i for i in range(max_gamma.bit_length())
+                                        if (1 << i) < max_gamma})) if max_gamma > 0 else ()
+
+
 def chain_label(pool_names, chain) -> str:
     """A chain of pool models as the metrics name it: "draft>mid>target"; "target" for the
     target alone (a step that drafted nothing)."""

@@ -83,12 +83,21 @@ Choices the paper leaves open, and how they are resolved here:
   purpose: with the same weight as the SimScore, α would collapse to the measured rate and the
   similarity would play no part; this way the similarity tracks the text step by step and the
   ratio corrects its bias. The statistics are kept whether or not ``calibrate`` is on.
+* The window W: the paper configures it globally but names the effective window among the
+  parameters SpecRouter adapts (§3.3). With ``window`` unset the policy plays the (chain, W) of
+  least T_eff, W among the engine's drafting buckets (powers of two below Γmax, and Γmax), so
+  after a load step that makes verification dear it drafts 1 or 2 tokens rather than choosing
+  only between Γmax and none. The verification and intermediate passes are timed per window
+  (T_verify[B][W], T_inter[j][B][W]); a window not yet measured at a bucket is priced piecewise
+  linearly in the tokens a row verifies (W + 1) through the measured windows and the plain step
+  (T_verify), or scaled from the nearest measured window (T_inter); unexplored chains are
+  played first at the largest window. The exploration draws over (chain, W).
 * Chain length: at most two draft levels (``max_levels``, default 2; 1 allows single drafts
   only). Longer chains are not run by this engine.
 * Draft not resident (offloaded) or W = 0 (``max_gamma`` 0): the target alone is planned.
   Learning uses the chain the engine reports it ran (``outcome.chain``), not the plan.
 
-Options: ``window`` (W, an integer in [1, max_gamma], default max_gamma), ``time_ema``,
+Options: ``window`` (W fixed, an integer in [1, max_gamma]; unset: chosen per step), ``time_ema``,
 ``sim_ema`` (in (0, 1]), ``calibrate`` (bool), ``explore`` (in [0, 1]), ``seed`` (integer ≥ 0),
 ``max_levels`` (1 or 2).
 """
@@ -100,8 +109,9 @@ from typing import Any
 
 import numpy as np
 
-from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket, judged_rows,
-                           option_bool, option_int, option_number)
+from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
+                                 drafting_buckets, judged_rows, option_bool, option_int,
+                                 option_number)
 
 TARGET = "target"  # the verifier of a chain's last draft level, in similarity keys
 _MAX_TRIES = 3  # plays of an unexplored chain per bucket before it stops being played first
@@ -144,6 +154,22 @@ def _ema(old: float | None, new: float, weight: float) -> float:
     return float(new) if old is None else (1.0 - weight) * old + weight * float(new)
 
 
+def interpolate(points: dict[int, float], x: int) -> float | None:
+    """The piecewise-linear value at ``x`` through ``points`` ({x: y}), extended along the
+    nearest segment beyond them (floored at 0); the one value if there is one; None if none."""
+    if x in points:
+        return points[x]
+    if not points:
+        return None
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    i = int(np.clip(np.searchsorted(xs, x), 1, len(xs) - 1))
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = points[x0], points[x1]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
 def _finite_mean(values: np.ndarray | None) -> float | None:
     if values is None:
         return None
@@ -169,10 +195,14 @@ class SpecRouterPolicy(Policy):
             if window not in (None, 0):
                 raise ValueError(f"{self.name} option window must be 0 (or unset) with "
                                  f"max_gamma 0, got {window!r}")
-            self.window = 0
+            self.window: int | None = 0
+            self.windows: tuple[int, ...] = ()
+        elif window is None:
+            self.window = None  # adaptive: W is chosen with the chain
+            self.windows = drafting_buckets(max_gamma)
         else:
-            self.window = option_int(self.name, "window",
-                                     max_gamma if window is None else window, 1, max_gamma)
+            self.window = option_int(self.name, "window", window, 1, max_gamma)
+            self.windows = (self.window,)
         self.time_ema = option_number(self.name, "time_ema", time_ema, 0.0, 1.0, low_open=True)
         self.sim_ema = option_number(self.name, "sim_ema", sim_ema, 0.0, 1.0, low_open=True)
         self.calibrate = option_bool(self.name, "calibrate", calibrate)
@@ -185,8 +215,9 @@ class SpecRouterPolicy(Policy):
     def _reset(self) -> None:
         """Forget everything learned (a new pool invalidates the per-model tables)."""
         self.draft_time: dict[int, dict[int, float]] = {}  # T_draft[i][B], s per forward
-        self.inter_time: dict[int, dict[int, float]] = {}  # T_inter[j][B], s per pass
-        self.verify_time: dict[int, float] = {}  # T_verify[B], s per pass
+        # T_inter[j][B][W] and T_verify[B][W], s per pass of a window W
+        self.inter_time: dict[int, dict[int, dict[int, float]]] = {}
+        self.verify_time: dict[int, dict[int, float]] = {}
         self.plain_time: dict[int, float] = {}  # T_plain[B], s per target-only step
         self.similarity: dict[str, float] = {}  # SimScore by pair_key
         # by pair_key: decayed accepted, judged and identity-predicted tokens (calibration)
@@ -202,12 +233,12 @@ class SpecRouterPolicy(Policy):
 
     # ------------------------------------------------------------------ chains
     def possible_gammas(self) -> set[int]:
-        return {0, self.window}
+        return {0, *self.windows}
 
     def chains(self) -> list[tuple[int, ...]]:
         """Every chain this policy may plan, in the fixed order: (), (0,), (1,), ..., then the
         pairs (i, j), i < j, lexicographically (pairs only with max_levels 2 and ≥ 2 models)."""
-        if self.window == 0:
+        if not self.windows:
             return [()]
         n = len(self.pool)
         out: list[tuple[int, ...]] = [()] + [(i,) for i in range(n)]
@@ -233,63 +264,95 @@ class SpecRouterPolicy(Policy):
         ratio = (cal["accepted"] + _CALIBRATION_PSEUDO) / (cal["predicted"] + _CALIBRATION_PSEUDO)
         return min(max(sim * ratio, 0.0), 1.0)
 
-    def effective_time(self, chain: tuple[int, ...], bucket: int) -> float:
-        """Predicted seconds per target token of ``chain`` at batch bucket ``bucket`` (module
-        docstring); ∞ when an estimate it needs is missing."""
+    def verify_estimate(self, bucket: int, window: int) -> float | None:
+        """T_verify[B][W]: measured, else piecewise linear in the tokens a row verifies (W + 1)
+        through the windows measured at this bucket and the plain step (one token per row);
+        None before any window was measured there."""
+        measured = self.verify_time.get(bucket, {})
+        if window in measured:
+            return measured[window]
+        if not measured:
+            return None
+        points = {w + 1: t for w, t in measured.items()}
+        if bucket in self.plain_time:
+            points.setdefault(1, self.plain_time[bucket])
+        return interpolate(points, window + 1)
+
+    def inter_estimate(self, model: int, bucket: int, window: int) -> float | None:
+        """T_inter[j][B][W]: measured, else scaled from the nearest measured window by the
+        tokens per row it verifies (W + 1); None before any was measured."""
+        measured = self.inter_time.get(model, {}).get(bucket, {})
+        if window in measured:
+            return measured[window]
+        if not measured:
+            return None
+        near = min(measured, key=lambda w: (abs(w - window), w))
+        return measured[near] * (window + 1) / (near + 1)
+
+    def effective_time(self, chain: tuple[int, ...], bucket: int,
+                       window: int | None = None) -> float:
+        """Predicted seconds per target token of ``chain`` with window W (default the largest
+        this policy plays) at batch bucket ``bucket`` (module docstring); ∞ when an estimate
+        it needs is missing."""
         chain = tuple(chain)
         if not chain:
             t = self.plain_time.get(bucket)
             return math.inf if t is None else t
+        window = self.windows[-1] if window is None else int(window)
         first, last = chain[0], chain[-1]
         draft = self.draft_time.get(first, {}).get(bucket)
-        verify = self.verify_time.get(bucket)
+        verify = self.verify_estimate(bucket, window)
         alpha_t = self.acceptance(last, TARGET)
         inter, alpha_i = 0.0, None
         if len(chain) == 2:
-            inter = self.inter_time.get(last, {}).get(bucket)
+            inter = self.inter_estimate(last, bucket, window)
             alpha_i = self.acceptance(first, last)
             if inter is None or alpha_i is None:
                 return math.inf
         if draft is None or verify is None or alpha_t is None:
             return math.inf
-        return chain_effective_time(self.window, draft, verify, alpha_t, inter, alpha_i)
+        return chain_effective_time(window, draft, verify, alpha_t, inter, alpha_i)
 
     def chain_scores(self, batch_size: int) -> dict[tuple[int, ...], float]:
-        """T_eff of every possible chain at this batch size's bucket, in the fixed order."""
+        """T_eff of every possible chain at this batch size's bucket, at its best window, in the
+        fixed order."""
         bucket = batch_bucket(batch_size)
-        return {c: self.effective_time(c, bucket) for c in self.chains()}
+        return {c: min((self.effective_time(c, bucket, w) for w in self.windows or (0,)))
+                for c in self.chains()}
 
     def _unexplored(self, chain: tuple[int, ...], bucket: int) -> bool:
         return (math.isinf(self.effective_time(chain, bucket))
                 and self.plays.get(bucket, {}).get(chain_key(chain), 0) < _MAX_TRIES)
 
     # ------------------------------------------------------------------ decisions
-    def choose(self, batch_size: int) -> tuple[int, ...]:
-        """The chain for a step of this batch size: the first unexplored chain, else with
-        probability ``explore`` a uniformly drawn one, else the argmin of T_eff."""
+    def choose(self, batch_size: int) -> tuple[tuple[int, ...], int]:
+        """The chain and window for a step of this batch size: the first unexplored chain at
+        the largest window, else with probability ``explore`` a uniformly drawn chain and
+        window, else the argmin of T_eff over both (window 0 for the target alone)."""
         bucket = batch_bucket(batch_size)
         chains = self.chains()
         if len(chains) == 1:
-            return chains[0]
+            return chains[0], 0
+        largest = self.windows[-1]
         for chain in chains:
             if self._unexplored(chain, bucket):
-                return chain
+                return chain, (largest if chain else 0)
+        options = [((), 0)] + [(c, w) for c in chains if c for w in self.windows]
         if self.explore > 0 and self._rng.random() < self.explore:
-            return chains[int(self._rng.integers(len(chains)))]
-        scores = [self.effective_time(c, bucket) for c in chains]
-        return chains[int(np.argmin(scores))]  # first minimum: the earlier chain
+            return options[int(self._rng.integers(len(options)))]
+        scores = [self.effective_time(c, bucket, w) for c, w in options]
+        return options[int(np.argmin(scores))]  # first minimum: the earlier chain, shorter W
 
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode
         if n == 0:
             return DraftPlan(gammas=np.zeros(0, np.int32), chain=())
-        if not view.draft_resident or self.window == 0:
-            chain: tuple[int, ...] = ()
+        if not view.draft_resident or not self.windows:
+            chain, window = (), 0
         else:
-            chain = self.choose(view.batch_size)
+            chain, window = self.choose(view.batch_size)
         self.last_chain[batch_bucket(view.batch_size)] = chain
-        gamma = self.window if chain else 0
-        return DraftPlan(gammas=np.full(n, gamma, np.int32), chain=chain)
+        return DraftPlan(gammas=np.full(n, window, np.int32), chain=chain)
 
     # ------------------------------------------------------------------ learning
     def _update_similarity(self, key: str, values: np.ndarray | None, accepted: np.ndarray,
@@ -326,10 +389,11 @@ class SpecRouterPolicy(Policy):
             table[bucket] = _ema(table.get(bucket), outcome.draft_time / gamma, self.time_ema)
             inter = float(outcome.intermediate_time) if len(chain) == 2 else 0.0
             if len(chain) == 2:
-                table = self.inter_time.setdefault(last, {})
-                table[bucket] = _ema(table.get(bucket), inter, self.time_ema)
+                table = self.inter_time.setdefault(last, {}).setdefault(bucket, {})
+                table[gamma] = _ema(table.get(gamma), inter, self.time_ema)
             verify = max(decode - outcome.draft_time - inter - outcome.catch_up_time, 0.0)
-            self.verify_time[bucket] = _ema(self.verify_time.get(bucket), verify, self.time_ema)
+            table = self.verify_time.setdefault(bucket, {})
+            table[gamma] = _ema(table.get(gamma), verify, self.time_ema)
             accepted, judged = judged_rows(outcome)
             self._update_similarity(pair_key(last, TARGET), outcome.accept_prob, accepted, judged)
             if len(chain) == 2 and outcome.intermediate_accept_prob is not None:
@@ -350,14 +414,17 @@ class SpecRouterPolicy(Policy):
         def per_bucket(table: dict[int, float]) -> dict[str, float]:
             return {str(b): float(t) for b, t in sorted(table.items())}
 
+        def per_window(table: dict[int, dict[int, float]]) -> dict[str, dict[str, float]]:
+            return {str(b): per_bucket(t) for b, t in sorted(table.items())}
+
         return {
             "policy": self.name,
             "max_gamma": self.max_gamma,
             "pool": list(self.pool),
             "window": self.window,
             "draft_time": {str(i): per_bucket(t) for i, t in sorted(self.draft_time.items())},
-            "inter_time": {str(j): per_bucket(t) for j, t in sorted(self.inter_time.items())},
-            "verify_time": per_bucket(self.verify_time),
+            "inter_time": {str(j): per_window(t) for j, t in sorted(self.inter_time.items())},
+            "verify_time": per_window(self.verify_time),
             "plain_time": per_bucket(self.plain_time),
             "similarity": {k: float(v) for k, v in sorted(self.similarity.items())},
             "calibration": {k: {s: float(x) for s, x in sorted(c.items())}
@@ -387,6 +454,9 @@ class SpecRouterPolicy(Policy):
         def per_bucket(table: dict[str, Any]) -> dict[int, float]:
             return {int(b): float(t) for b, t in table.items()}
 
+        def per_window(table: dict[str, Any]) -> dict[int, dict[int, float]]:
+            return {int(b): per_bucket(t) for b, t in table.items()}
+
         def pair(key: str) -> str:
             draft, sep, verifier = str(key).partition(">")
             if not sep:
@@ -395,8 +465,8 @@ class SpecRouterPolicy(Policy):
 
         try:
             draft_time = {model(i): per_bucket(t) for i, t in state["draft_time"].items()}
-            inter_time = {model(j): per_bucket(t) for j, t in state["inter_time"].items()}
-            verify_time = per_bucket(state["verify_time"])
+            inter_time = {model(j): per_window(t) for j, t in state["inter_time"].items()}
+            verify_time = per_window(state["verify_time"])
             plain_time = per_bucket(state["plain_time"])
             similarity = {pair(k): float(v) for k, v in state["similarity"].items()}
             calibration = {pair(k): {s: float(c[s]) for s in ("accepted", "judged", "predicted")}

@@ -1,7 +1,8 @@
 """SpecRouter's chain scheduler against hand-computed values (pure numpy, no model, no JAX).
 
-Unless a test says otherwise: Γmax = W = 4, a pool of two drafts ("small", "mid"), one decoding
-sequence per step (batch bucket 1), no prefill (so decode_time = step_time).
+Unless a test says otherwise: Γmax = W = 4 (a fixed window), a pool of two drafts ("small",
+"mid"), one decoding sequence per step (batch bucket 1), no prefill (so decode_time =
+step_time).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ POOL3 = ("small", "mid", "large")
 
 def router(pool=POOL2, **kw) -> SpecRouterPolicy:
     kw.setdefault("max_gamma", G)
+    kw.setdefault("window", kw["max_gamma"])
     kw.setdefault("explore", 0.0)
     p = SpecRouterPolicy(**kw)
     p.set_pool(pool)
@@ -151,15 +153,15 @@ def test_time_emas_per_bucket():
     p.observe(outcome((0,), draft_time=0.008, catch_up_time=0.0, step_time=0.028))
     assert p.draft_time == {0: {1: pytest.approx(0.0013)}}
     # verify: 17 − 4 − 1 = 12 ms, then 28 − 8 = 20 ms: 0.7·12 + 0.3·20 = 14.4 ms
-    assert p.verify_time == {1: pytest.approx(0.0144)}
+    assert p.verify_time == {1: {G: pytest.approx(0.0144)}}
     # a pair at bucket 4 (three sequences): T_draft[0][4], T_inter[1][4], T_verify[4] only
     p.observe(outcome((0, 1), batch=3, draft_time=0.012, inter_time=0.005, step_time=0.030))
     assert p.draft_time == {0: {1: pytest.approx(0.0013), 4: pytest.approx(0.003)}}
-    assert p.inter_time == {1: {4: pytest.approx(0.005)}}
-    assert p.verify_time == {1: pytest.approx(0.0144), 4: pytest.approx(0.013)}
+    assert p.inter_time == {1: {4: {G: pytest.approx(0.005)}}}
+    assert p.verify_time == {1: {G: pytest.approx(0.0144)}, 4: {G: pytest.approx(0.013)}}
     p.observe(outcome((0, 1), batch=4, draft_time=0.012, inter_time=0.015, step_time=0.035))
-    assert p.inter_time[1][4] == pytest.approx(0.7 * 0.005 + 0.3 * 0.015)
-    assert p.verify_time[4] == pytest.approx(0.7 * 0.013 + 0.3 * 0.008)
+    assert p.inter_time[1][4][G] == pytest.approx(0.7 * 0.005 + 0.3 * 0.015)
+    assert p.verify_time[4][G] == pytest.approx(0.7 * 0.013 + 0.3 * 0.008)
     # plain steps: T_plain only (at bucket 1 and 8)
     p.observe(outcome((), step_time=0.010))
     p.observe(outcome((), step_time=0.020))
@@ -265,10 +267,47 @@ def test_offloaded_draft_and_zero_window_plan_the_target_alone():
     assert p.plan(make_view(0, max_gamma=G)).gammas.shape == (0,)
 
 
+# ---------------------------------------------------------------------------- the window
+def test_an_unmeasured_window_is_priced_through_the_measured_ones():
+    p = router(window=None)  # W chosen among 1, 2, 4
+    assert p.windows == (1, 2, G)
+    assert p.verify_estimate(1, 2) is None  # nothing measured at bucket 1
+    for o in measured_steps():  # T_plain 10 ms, T_verify[1][4] 12 ms, T_inter[1][1][4] 4 ms
+        p.observe(o)
+    # verified tokens per row: 1 (plain) -> 10 ms, 5 (W = 4) -> 12 ms; W = 2 verifies 3
+    assert p.verify_estimate(1, 2) == pytest.approx(0.011)
+    assert p.inter_estimate(1, 1, 2) == pytest.approx(0.004 * 3 / 5)
+    p.observe(outcome((0,), accept_prob=0.5, draft_time=0.002, step_time=0.0125, gamma=2))
+    assert p.verify_estimate(1, 2) == pytest.approx(0.0105)  # measured now: 12.5 − 2 ms
+    # W = 1 lies between the plain step and W = 2 (tokens per row 1, 2, 3)
+    assert p.verify_estimate(1, 1) == pytest.approx((0.010 + 0.0105) / 2)
+
+
+def test_the_window_follows_the_cost_of_verification():
+    """Cheap verification (a small batch): the longest window; dear verification (as after a
+    load step): a short one, not only Γmax or nothing. α = 0.9 throughout."""
+    p = router(POOL2[:1], window=None)
+    p.observe(outcome((), step_time=0.010))
+    p.observe(outcome((0,), accept_prob=0.9, draft_time=0.004, step_time=0.016))
+    # bucket 1, verify 12 ms at W = 4, 10 ms plain: T_eff W = 4 (4 + 12) / 4.0951 = 3.9 ms,
+    # W = 2 (2 + 11) / 2.71 = 4.8 ms, W = 1 (1 + 10.5) / 1.9 = 6.1 ms
+    assert p.plan(make_view(1, max_gamma=G)).gammas.tolist() == [G]
+    # bucket 32: plain 20 ms; W = 4 verifies in 80 ms, W = 1 in 30 ms, draft 1 ms per forward
+    p.observe(outcome((), batch=32, step_time=0.020))
+    p.observe(outcome((0,), batch=32, accept_prob=0.9, draft_time=0.004, step_time=0.084))
+    p.observe(outcome((0,), batch=32, accept_prob=0.9, draft_time=0.001, step_time=0.031,
+                      gamma=1))
+    # T_eff: () 20 ms; W = 1 (1 + 30) / 1.9 = 16.3 ms; W = 2 (2 + 46.7) / 2.71 = 18.0 ms;
+    # W = 4 (4 + 80) / 4.0951 = 20.5 ms
+    assert p.plan(make_view(32, max_gamma=G)).gammas.tolist() == [1] * 32
+    assert p.effective_time((0,), 32, 1) == pytest.approx(0.031 / 1.9)
+    assert p.plan(make_view(1, max_gamma=G)).gammas.tolist() == [G]  # buckets apart
+
+
 # ---------------------------------------------------------------------------- chains, options
 def test_possible_chains_and_gammas():
     p = SpecRouterPolicy(max_gamma=G)  # the default pool: one draft
-    assert p.possible_chains() == {(), (0,)} and p.possible_gammas() == {0, G}
+    assert p.possible_chains() == {(), (0,)} and p.possible_gammas() == {0, 1, 2, G}
     p.set_pool(POOL2)  # set after construction: chains follow the pool
     assert p.possible_chains() == {(), (0,), (1,), (0, 1)}
     p.set_pool(POOL3)
@@ -302,7 +341,8 @@ def test_registered_by_name():
     assert POLICIES["specrouter"] is SpecRouterPolicy
     p = make_policy("specrouter", 6, window=3)
     assert p.window == 3 and p.signals == frozenset({"accept_prob"})
-    assert SpecRouterPolicy(max_gamma=6).window == 6
+    adaptive = SpecRouterPolicy(max_gamma=6)  # W chosen per step among the drafting buckets
+    assert adaptive.window is None and adaptive.possible_gammas() == {0, 1, 2, 4, 6}
     with pytest.raises(ValueError, match="option window must be 0"):
         SpecRouterPolicy(max_gamma=0, window=2)
 
@@ -377,5 +417,5 @@ def test_calibrated_acceptance_by_hand():
     p.observe(outcome((0,), accept_prob=0.6, accepted=[4], draft_time=0.004, step_time=0.016))
     alpha = p.acceptance(0, TARGET)
     assert p.effective_time((0,), 1) == pytest.approx(
-        chain_effective_time(G, p.draft_time[0][1], p.verify_time[1], alpha))
+        chain_effective_time(G, p.draft_time[0][1], p.verify_time[1][G], alpha))
     assert alpha != p.similarity["0>target"]
