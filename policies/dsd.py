@@ -40,8 +40,14 @@ decays old rates, so n stays near ten steps' worth: the EMA's own noise never sh
 that, and a bound over all tokens ever seen once froze α at a noisy 0.57 where the judged
 tokens said 0.87). With no evidence it speculates and learns, and γ = 0 is chosen when even the
 bound says speculation loses (``confidence_z=0``: the plain EMA, as the baseline is usually
-stated). Options: ``profile`` (default: the one the engine measures at start-up,
-jspec/autoprofile.py), ``alpha0``, ``ema``, ``rate``, ``confidence_z``, ``measured`` (True: the
+stated). While nothing is verified the evidence ages (``idle_decay``, default 0.002: n shrinks by
+that share per decoding step with nothing verified, a half-life of ~350 steps), so the bound
+widens until a step speculates again: a rate measured on a few requests that drafted badly
+(acceptance 0.27 at B = 2 in the simulator's load-step, where requests drafted at 0.75 on
+average) would otherwise stop speculation for good, through every later load.
+
+Options: ``profile`` (default: the one the engine measures at start-up, jspec/autoprofile.py),
+``alpha0``, ``ema``, ``rate``, ``confidence_z``, ``idle_decay``, ``measured`` (True: the
 baseline's linear time model fitted on the run's own steps once they tell the target's cost per
 token from its fixed cost, policies/measured_time.py; False: the profile throughout).
 """
@@ -76,7 +82,7 @@ class DSDPolicy(Policy):
 
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  alpha0: float = 0.6, ema: float = 0.1, rate: str = "judged",
-                 confidence_z: float = 2.0, measured: bool = True):
+                 confidence_z: float = 2.0, measured: bool = True, idle_decay: float = 0.002):
         super().__init__(max_gamma)
         self.profile = load_profile(self.name, profile)
         self.alpha0 = _unit("alpha0", alpha0, low_open=False)
@@ -85,6 +91,7 @@ class DSDPolicy(Policy):
             raise ValueError(f"rate must be one of {_RATES}, got {rate!r}")
         self.rate = rate
         self.confidence_z = option_number(self.name, "confidence_z", confidence_z)
+        self.idle_decay = option_number(self.name, "idle_decay", idle_decay, 0.0, 1.0)
         self.alpha = self.alpha0
         self.num_updates = 0
         self.judged_tokens = 0.0  # judged draft tokens the EMA remembers (the bound's n)
@@ -164,11 +171,14 @@ class DSDPolicy(Policy):
     def observe(self, outcome: StepOutcome) -> None:
         self._time.observe(outcome)
         r = self.step_rate(outcome)
-        if r is not None:
-            self.alpha = (1.0 - self.ema) * self.alpha + self.ema * r
-            self.num_updates += 1
-            self.judged_tokens = ((1.0 - self.ema) * self.judged_tokens
-                                  + judged_acceptance(outcome)[1])
+        if r is None:
+            if outcome.num_decode:  # decoding went on unobserved: the evidence ages
+                self.judged_tokens *= 1.0 - self.idle_decay
+            return
+        self.alpha = (1.0 - self.ema) * self.alpha + self.ema * r
+        self.num_updates += 1
+        self.judged_tokens = ((1.0 - self.ema) * self.judged_tokens
+                              + judged_acceptance(outcome)[1])
 
     def state_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "num_updates": self.num_updates,

@@ -118,10 +118,10 @@ class DSDEPolicy(Policy):
 
     Options: ``warmup_steps`` (speculative steps used to calibrate SL_max; 0 skips calibration
     and uses SL_max = max_gamma), ``warmup_gamma`` (γ during warm-up, default max_gamma),
-    ``sl_min`` (default min(2, max_gamma), the paper's 2), ``delta`` (weight decay δ, 0.85),
-    ``short_window``/``long_window`` (10/30 KLs), ``eps`` (ε of eq. 1, 1e-6), ``batch_cap``
+    ``sl_min`` (default min(2, max_gamma), the paper's 2; with the gate, the floor it prefers),
+    ``delta`` (weight decay δ, 0.85), ``short_window``/``long_window`` (10/30 KLs), ``eps`` (ε of eq. 1, 1e-6), ``batch_cap``
     (apply SL_cap, default True; False is the paper's "No Cap" ablation), ``gate`` (default
-    True: plain decoding in steps where the plan's predicted goodput is below plain decoding's,
+    True: the floor of eq. 8 chosen per step by predicted goodput, plain decoding included,
     policies/goodput_gate.py; False: the paper's DSDE, which always speculates at least SL_min).
     """
 
@@ -161,23 +161,31 @@ class DSDEPolicy(Policy):
     # -- planning -------------------------------------------------------------------------------
 
     def possible_gammas(self) -> set[int]:
-        # 0 (draft offloaded), the warm-up γ, and every rounded SL in [SL_min, max_gamma]
-        return {0, self.warmup_gamma} | set(range(self.sl_min, self.max_gamma + 1))
+        # 0 (draft offloaded), the warm-up γ, and every rounded SL in [floor, max_gamma]: the
+        # paper's floor SL_min, or any the gate may choose
+        floor = 0 if self.gate is not None else self.sl_min
+        return {0, self.warmup_gamma} | set(range(floor, self.max_gamma + 1))
 
     @property
     def calibrated(self) -> bool:
         return self.sl_max is not None
 
-    def predict(self, request_id: str) -> float:
-        """The real-valued SL̂ of one sequence before the batch cap (eq. 8); SL_max if it has no
-        verified KL yet. Needs calibration."""
-        assert self.sl_max is not None
+    def penalty(self, request_id: str) -> float:
+        """SF·WVIR of one sequence (eqs. 3-4); 0 with no verified KL yet (optimistic)."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.last_mean is None:
-            return self.sl_max
-        kls = list(seq.kls)
-        w = wvir(kls, self.delta, self.short_window, self.long_window)
-        return predict_sl(scale_factor(seq.last_mean), w, self.sl_max, self.sl_min)
+            return 0.0
+        w = wvir(list(seq.kls), self.delta, self.short_window, self.long_window)
+        return scale_factor(seq.last_mean) * w
+
+    def _gammas(self, penalties: np.ndarray, floor: float, top: float) -> np.ndarray:
+        """Eq. 8 over the range [``floor``, ``top``] in place of [SL_min, SL_max], the batch cap,
+        rounded half up."""
+        sls = np.where(penalties > 1.0, floor, (1.0 - penalties) * (top - floor) + floor)
+        # §III-C: the constant minimising the MSE to all predictions is their mean
+        cap = float(sls.mean()) if self.batch_cap else math.inf
+        gammas = np.floor(np.minimum(sls, cap) + 0.5).astype(np.int32)
+        return np.clip(gammas, 0, self.max_gamma)
 
     def plan(self, view: BatchView) -> DraftPlan:
         # bound memory: sequences that left the batch (finished, aborted, preempted) are dropped
@@ -192,12 +200,14 @@ class DSDEPolicy(Policy):
             return DraftPlan(gammas=np.zeros(n, np.int32))
         if not self.calibrated:
             return DraftPlan(gammas=np.full(n, self.warmup_gamma, np.int32))
-        sls = np.array([self.predict(rid) for rid in view.request_ids], np.float64)
-        # §III-C: the constant minimising the MSE to all predictions is their mean
-        cap = float(sls.mean()) if self.batch_cap else math.inf
-        gammas = np.floor(np.minimum(sls, cap) + 0.5).astype(np.int32)
-        plan = DraftPlan(gammas=np.clip(gammas, 0, self.max_gamma))
-        return plan if self.gate is None else self.gate.apply(view, plan)
+        penalties = np.array([self.penalty(rid) for rid in view.request_ids], np.float64)
+        paper = self._gammas(penalties, self.sl_min, self.sl_max)
+        if self.gate is None:
+            return DraftPlan(gammas=paper)
+        # the paper's floor first: another wins only where it is predicted strictly better
+        floors = [f for f in range(self.max_gamma + 1) if f != self.sl_min]
+        return self.gate.choose(view, [paper] + [
+            self._gammas(penalties, f, max(self.sl_max, float(f))) for f in floors])
 
     def set_profile(self, profile: Any) -> None:
         super().set_profile(profile)

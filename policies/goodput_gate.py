@@ -5,18 +5,27 @@ SL_max from the stability of the KL signal, so it speculates whatever speculatio
 verified token costs nearly what a decoded one does (a saturated batch on a memory-bound target
 that has become compute-bound) every γ > 0 loses to plain decoding, and DSDE ran at 0.75× the
 best fixed arm in the simulator's saturation-no-pay (docs/benchmarks.md, "Adaptation that never
-collapses"). The product promises never to be slower than plain decoding, so such a policy's
-plan passes through this gate: the plan runs if its predicted goodput beats plain decoding's,
-else every sequence decodes plainly this step.
+collapses"). Where a draft costs little (a small batch), the constant floor holds a sequence
+that just disagreed with the target at 2 tokens although longer drafts pay, and DSDE ran at
+0.93× static γ = 4 in the simulator's low-load. The product promises never to be slower than
+plain decoding, and the fixed choices are the bar, so such a policy offers the gate several
+candidate plans (DSDE: its rule with each floor in place of SL_min) and the gate runs the one
+of highest predicted goodput, plain decoding among them.
 
 The prediction is DSD's (policies/dsd.py): the geometric acceptance model at an upper
 confidence bound of the judged acceptance rate, over the run's own linear step-time model
 (policies/measured_time.py), the profile until that model can be fitted. The bound is
 optimistic, so the gate opens when evidence is thin; and the decision is taken again every step
 from the current batch, so a load that falls opens it again: it cannot lock itself shut on a
-sample taken under other conditions. While it is shut no acceptance is observed and the rate
-stays where it was. Given no profile (a policy planned outside an engine), the gate stays open
-until the run's own model is fitted.
+sample taken under other conditions. While it is shut no acceptance is observed: the rate stays
+where it was and its evidence ages (DSD's ``idle_decay``), so a rate measured on a few badly
+drafting requests is tried again after a few hundred steps. Given no profile (a policy planned
+outside an engine), the gate stays open until the run's own model is fitted.
+
+What the gate cannot do: DSDE spreads rows between the floor and SL_max, and a step verifies
+every row as wide as its longest draft, so where one short length for every row is best (γ = 1
+at B = 32 on a compute-bound target) the candidates are all dearer, and the gate plays plain
+decoding there (the simulator's load-step: 0.94-0.97 of the best fixed arm).
 
 A step in which prompts wait for the token budget (``BatchView.prefill_bound``) decodes plainly
 whatever the prediction: the engine's pace is then its steps', which speculation only slows.
@@ -41,16 +50,21 @@ class GoodputGate:
     def set_profile(self, profile: Any) -> None:
         self._model.set_profile(profile)
 
-    def apply(self, view: BatchView, plan: DraftPlan) -> DraftPlan:
-        gammas = np.asarray(plan.gammas)
-        if gammas.size and view.prefill_bound:
-            return DraftPlan(gammas=np.zeros_like(gammas), chain=plan.chain)
-        if gammas.size == 0 or not gammas.any() or not self._model.can_predict:
-            return plan  # outside an engine, with no profile: speculate until steps are timed
-        plain = self._model.plan_goodput(view, np.zeros_like(gammas))
-        if self._model.plan_goodput(view, gammas) >= plain:
-            return plan
-        return DraftPlan(gammas=np.zeros_like(gammas), chain=plan.chain)
+    def choose(self, view: BatchView, candidates: list[np.ndarray]) -> DraftPlan:
+        """The candidate per-row γ plan of highest predicted goodput, plain decoding included;
+        ties go to the earlier candidate, then to speculation over plain decoding. Before the
+        time model can predict, the first candidate."""
+        first = np.asarray(candidates[0], np.int32)
+        if first.size and view.prefill_bound:
+            return DraftPlan(gammas=np.zeros_like(first))
+        if first.size == 0 or not self._model.can_predict:
+            return DraftPlan(gammas=first)  # no profile yet: speculate until steps are timed
+        best, best_goodput = np.zeros_like(first), self._model.plan_goodput(view, first * 0)
+        for gammas in candidates[::-1]:  # reversed with >=: the earliest of equals wins
+            goodput = self._model.plan_goodput(view, np.asarray(gammas, np.int32))
+            if goodput >= best_goodput:
+                best, best_goodput = np.asarray(gammas, np.int32), goodput
+        return DraftPlan(gammas=best)
 
     def observe(self, outcome: StepOutcome) -> None:
         self._model.observe(outcome)

@@ -311,6 +311,29 @@ def test_dsd_plans_with_an_upper_bound_until_acceptance_was_seen():
     assert older.judged_tokens == 0 and older.alpha == pol.alpha
 
 
+def test_dsd_evidence_ages_while_nothing_is_verified():
+    """A low rate measured on badly drafting requests plans γ = 0; while steps verify nothing
+    the judged tokens behind it decay (idle_decay per step), the bound widens, and the policy
+    speculates again; with idle_decay=0 it never does."""
+    pols = [DSDPolicy(max_gamma=4, profile=fixed_cost_profile(), alpha0=0.3, idle_decay=d)
+            for d in (0.002, 0.0)]
+    for pol in pols:
+        for _ in range(50):  # rates 0 and 0.5 in turn: α ≈ 0.25
+            pol.observe(make_outcome(VIEW, [4, 4], [0, 0], num_verified=[4, 4]))
+            pol.observe(make_outcome(VIEW, [4, 4], [1, 1], num_verified=[4, 4]))
+        assert pol.plan(VIEW).gammas.tolist() == [0, 0]
+    ageing, frozen = pols
+    steps = 0
+    while not ageing.plan(VIEW).gammas.any():
+        ageing.observe(make_outcome(VIEW, [0, 0], [0, 0]))  # plain steps: nothing verified
+        frozen.observe(make_outcome(VIEW, [0, 0], [0, 0]))
+        steps += 1
+        assert steps < 5000, "the bound never widened"
+    assert 100 < steps < 3000, steps  # hundreds of plain steps, not a few
+    assert ageing.alpha == frozen.alpha  # the rate itself is the same: only its evidence aged
+    assert not frozen.plan(VIEW).gammas.any()
+
+
 def test_dsd_ema_update():
     view = make_view(2, max_gamma=4)
     judged = DSDPolicy(profile=linear_profile(), alpha0=0.5, ema=0.1)
@@ -351,7 +374,8 @@ def test_adaspec_bad_options(kw):
 
 
 @pytest.mark.parametrize("kw", [dict(max_gamma=2.5), dict(alpha0=1.5), dict(ema=0),
-                                dict(ema=True), dict(rate="mean")])
+                                dict(ema=True), dict(rate="mean"), dict(idle_decay=1.5),
+                                dict(idle_decay=-0.1)])
 def test_dsd_bad_options(kw):
     kw.setdefault("max_gamma", 4)
     with pytest.raises(ValueError):

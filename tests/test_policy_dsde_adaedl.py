@@ -116,7 +116,8 @@ def test_sl_and_batch_cap_on_three_sequences():
     # r1: one step, KL = ln(1.5)/2 = 0.202733 -> SF = 0.5, WVIR = 1 (one value) -> SL = 5
     # r2: KL = 2 -> SF = e^4 − 1 = 53.6 -> penalty > 1 -> SL_min = 2
     feed(pol, view, [[], [math.log(1.5) / 2], [2.0]])
-    assert [pol.predict(r) for r in view.request_ids] == pytest.approx([8.0, 5.0, 2.0], abs=1e-5)
+    sls = [predict_sl(pol.penalty(r), 1.0, pol.sl_max, pol.sl_min) for r in view.request_ids]
+    assert sls == pytest.approx([8.0, 5.0, 2.0], abs=1e-5)
     # cap = (8 + 5 + 2)/3 = 5 -> γ = min(SL_i, 5) = [5, 5, 2]
     plan = pol.plan(view)
     assert plan.gammas.tolist() == [5, 5, 2]
@@ -204,8 +205,10 @@ def test_draft_not_resident_gives_zeros():
 
 
 def test_possible_gammas_cover_plans():
+    # the paper's floor SL_min = 2; with the gate any floor down to 0 may be chosen
+    assert DSDEPolicy(max_gamma=6, gate=False).possible_gammas() == {0, 2, 3, 4, 5, 6}
     pol = DSDEPolicy(max_gamma=6, warmup_steps=1)
-    assert pol.possible_gammas() == {0, 2, 3, 4, 5, 6}
+    assert pol.possible_gammas() == set(range(7))
     rng = np.random.default_rng(1)
     view = make_view(5, max_gamma=6)
     for _ in range(40):
@@ -283,6 +286,22 @@ def test_dsde_gate_shuts_where_speculation_loses_and_the_paper_rule_does_not():
                 pol.observe(make_outcome(view, g, [0, 0], kl=np.full((2, int(g.max())), 3.0)))
     assert gated.plan(view).gammas.tolist() == [0, 0]
     assert paper.plan(view).gammas.tolist() == [2, 2]  # SL_min: SF·WVIR > 1
+
+
+def test_dsde_gate_raises_the_floor_where_long_drafts_pay():
+    """Drafts the target accepts in full while their KL stays high: the paper's rule holds both
+    sequences at SL_min = 2; with drafts this cheap (T(γ) = 12 + 3γ) four tokens emit more per
+    second (5/24 against 3/18), so the gate picks the floor 4."""
+    view = make_view(2, max_gamma=4)
+    gated = DSDEPolicy(max_gamma=4, warmup_steps=0)
+    paper = DSDEPolicy(max_gamma=4, warmup_steps=0, gate=False)
+    gated.set_profile(linear_profile())
+    for _ in range(40):
+        for pol in (gated, paper):
+            g = pol.plan(view).gammas
+            pol.observe(make_outcome(view, g, g, kl=np.full((2, int(g.max())), 3.0)))
+    assert paper.plan(view).gammas.tolist() == [2, 2]
+    assert gated.plan(view).gammas.tolist() == [4, 4]
 
 
 def test_dsde_gate_stays_open_without_a_profile_or_a_fitted_model():
