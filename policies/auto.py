@@ -51,7 +51,7 @@ class AutoPolicy(DSDPolicy):
 
     def set_lookups(self, indices) -> None:
         super().set_lookups(indices)
-        self._choice = DrafterChoice(self.alpha0, self.confidence_z) \
+        self._choice = DrafterChoice(self.alpha0, self.confidence_z, self.idle_decay) \
             if self.lookups else None
         self._line = StepLine(with_draft=self.model is not None)
 

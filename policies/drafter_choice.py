@@ -28,7 +28,8 @@ caught up first, Nightjar's switching cost: the model takes such a row only if i
 tokens over the row's best lookup are worth the catch-up's seconds (measured per token) at the
 step's rate, and T then includes them. Rows whose best is 1 token do not
 draft. The drafter-wide rates are planned at an upper confidence bound (as DSD's α), so a
-drafter with thin evidence is tried.
+drafter with thin evidence is tried; the evidence of a drafter that verifies nothing ages as
+DSD's does (``idle_decay``), so a drafter that drafted badly for a few requests is tried again.
 
 Why per sequence: the best drafter differs by request (one that quotes its prompt accepts long
 lookup drafts, a novel one accepts the model's or nothing; SuffixDecoding §3 scores each draft
@@ -55,9 +56,10 @@ _CATCH_UP_DECAY = 0.95  # weight of older catch-ups, per step that caught up
 class DrafterChoice:
     """Acceptance per (sequence, drafter) and the per-step plan (module docstring)."""
 
-    def __init__(self, alpha0: float, confidence_z: float):
+    def __init__(self, alpha0: float, confidence_z: float, idle_decay: float = 0.0):
         self.alpha0 = alpha0
         self.z = confidence_z
+        self.idle_decay = idle_decay  # DSD's: a drafter's evidence ages while it verifies none
         self.rate: dict[int, float] = {}  # drafter -> EMA of its per-step judged rate
         self.judged: dict[int, float] = {}  # drafter -> judged tokens the EMA remembers
         # sequence -> drafter -> [accepted, judged], decayed per step it drafted with it
@@ -178,6 +180,9 @@ class DrafterChoice:
             return
         accepted, judged = judged_rows(outcome)
         drafters = np.asarray(outcome.drafters)
+        for d in self.judged:
+            if outcome.num_decode and not judged[drafters == d].any():
+                self.judged[d] *= 1.0 - self.idle_decay
         for d in set(drafters.tolist()) - {-1}:
             rows = drafters == d
             acc, jud = int(accepted[rows].sum()), int(judged[rows].sum())

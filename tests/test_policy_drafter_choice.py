@@ -156,3 +156,20 @@ def test_step_line_tells_the_draft_models_cost_from_whole_steps():
     a, b, c = line.coefficients()
     assert a == pytest.approx(0.004, rel=0.05) and b == pytest.approx(2e-5, rel=0.05)
     assert c == pytest.approx(1e-3, rel=0.05)
+
+
+def test_a_drafter_left_out_is_tried_again_as_its_evidence_ages():
+    """The draft model drafted badly for a while; while only the lookup drafts, the judged
+    tokens behind the model's rate age (idle_decay), its bound widens, and its rate at the
+    bound rises back towards being tried. Without ageing it stays where it was."""
+    ageing, frozen = (DrafterChoice(alpha0=0.6, confidence_z=2.0, idle_decay=d)
+                      for d in (0.002, 0.0))
+    view = _view([4, 4])
+    for choice in (ageing, frozen):
+        for _ in range(30):
+            _learn(choice, view, [MODEL, MODEL], [0, 1])
+        for _ in range(500):  # the lookup drafts every row
+            _learn(choice, view, [NGRAM, NGRAM], [4, 4])
+    assert ageing.rate[MODEL] == frozen.rate[MODEL]  # the rate itself did not move
+    assert ageing.judged[MODEL] < 0.5 * frozen.judged[MODEL]
+    assert ageing.drafter_rate(MODEL) > frozen.drafter_rate(MODEL) + 0.05
