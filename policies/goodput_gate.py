@@ -59,11 +59,13 @@ class GoodputGate:
             return DraftPlan(gammas=np.zeros_like(first))
         if first.size == 0 or not self._model.can_predict:
             return DraftPlan(gammas=first)  # no profile yet: speculate until steps are timed
-        best, best_goodput = np.zeros_like(first), self._model.plan_goodput(view, first * 0)
+        best = np.zeros_like(first)
+        best_goodput = self._model.plan_goodput(view, best)
         for gammas in candidates[::-1]:  # reversed with >=: the earliest of equals wins
-            goodput = self._model.plan_goodput(view, np.asarray(gammas, np.int32))
+            gammas = np.asarray(gammas, np.int32)
+            goodput = self._model.plan_goodput(view, gammas)
             if goodput >= best_goodput:
-                best, best_goodput = np.asarray(gammas, np.int32), goodput
+                best, best_goodput = gammas, goodput
         return DraftPlan(gammas=best)
 
     def observe(self, outcome: StepOutcome) -> None:

@@ -112,6 +112,7 @@ import numpy as np
 from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
                                  drafting_buckets, judged_rows, option_bool, option_int,
                                  option_number)
+from jspec.policies.profile import interpolate
 
 TARGET = "target"  # the verifier of a chain's last draft level, in similarity keys
 _MAX_TRIES = 3  # plays of an unexplored chain per bucket before it stops being played first
@@ -152,22 +153,6 @@ def pair_key(draft: int, verifier: int | str) -> str:
 
 def _ema(old: float | None, new: float, weight: float) -> float:
     return float(new) if old is None else (1.0 - weight) * old + weight * float(new)
-
-
-def interpolate(points: dict[int, float], x: int) -> float | None:
-    """The piecewise-linear value at ``x`` through ``points`` ({x: y}), extended along the
-    nearest segment beyond them (floored at 0); the one value if there is one; None if none."""
-    if x in points:
-        return points[x]
-    if not points:
-        return None
-    xs = sorted(points)
-    if len(xs) == 1:
-        return points[xs[0]]
-    i = int(np.clip(np.searchsorted(xs, x), 1, len(xs) - 1))
-    x0, x1 = xs[i - 1], xs[i]
-    y0, y1 = points[x0], points[x1]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
 def _finite_mean(values: np.ndarray | None) -> float | None:
@@ -276,7 +261,8 @@ class SpecRouterPolicy(Policy):
         points = {w + 1: t for w, t in measured.items()}
         if bucket in self.plain_time:
             points.setdefault(1, self.plain_time[bucket])
-        return interpolate(points, window + 1)
+        xs = sorted(points)
+        return interpolate([np.array(xs)], np.array([points[x] for x in xs]), [window + 1])
 
     def inter_estimate(self, model: int, bucket: int, window: int) -> float | None:
         """T_inter[j][B][W]: measured, else scaled from the nearest measured window by the
