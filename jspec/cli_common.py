@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from jspec.config import parse_methods
+from jspec.config import MODEL_METHODS, parse_methods
 
 # EngineConfig fields that map one-to-one onto `--flag` options; unset flags keep the config's
 # default.
@@ -48,7 +48,8 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
                            "(default: %(default)s)")
     spec.add_argument("--speculative-method", default=None, metavar="METHOD",
                       help="what drafts: draft_model (the draft checkpoint; the built-in "
-                           "pair's without --target), ngram (prompt lookup in each "
+                           "pair's without --target), eagle3 (an EAGLE-3 head given as "
+                           "--draft; the built-in target's head without --target), ngram (prompt lookup in each "
                            "sequence's own tokens) or suffix (suffix decoding over the "
                            "request's and earlier requests' tokens); the last two run no draft "
                            "model. Several joined by '+' (e.g. draft_model+ngram+suffix): "
@@ -165,7 +166,7 @@ def parse_policy_options(items: list[str]) -> dict[str, Any]:
 def _lookup_only(args: argparse.Namespace) -> bool:
     """Whether --speculative-method names only drafters without a model."""
     return args.speculative_method is not None and \
-        "draft_model" not in parse_methods(args.speculative_method)
+        not any(m in MODEL_METHODS for m in parse_methods(args.speculative_method))
 
 
 def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:

@@ -25,7 +25,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # alternative to num_kv_blocks
     num_speculative_tokens: int = 4  # Γmax: the largest γ any policy may choose
     # what drafts (vLLM's speculative_config "method"): "draft_model" (the draft models given),
-    # "ngram" (prompt lookup over each sequence's own tokens, jspec/proposers/ngram.py: no
+    # "eagle3" (an EAGLE-3 head given as the draft, models/eagle.py; the built-in target's own
+    # head when no models are given), "ngram" (prompt lookup over each sequence's own tokens, jspec/proposers/ngram.py: no
     # draft model; the suffix n of [prompt_lookup_min, prompt_lookup_max] tokens is matched) or
     # "suffix" (suffix decoding, no draft model either); several joined by "+" (e.g.
     # "draft_model+ngram+suffix"): each step each sequence may draft with a different one, as
@@ -154,17 +155,20 @@ class EngineConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return "draft_model" in self.drafters
+        """Whether a model drafts (a draft model or an EAGLE head)."""
+        return any(m in MODEL_METHODS for m in self.drafters)
 
 
 ELASTIC_POOL_LAYOUTS = ("auto", "segments", "preallocated")
-SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix")
+SPECULATIVE_METHODS = ("draft_model", "eagle3", "ngram", "suffix")
+MODEL_METHODS = ("draft_model", "eagle3")  # the drafters that are models of the pool
 LOOKUP_METHODS = ("ngram", "suffix")  # the drafters that run no model
 
 
 def parse_methods(spelling) -> tuple[str, ...]:
     """The drafters a ``speculative_method`` names: one of SPECULATIVE_METHODS, or several
-    joined by "+" (each once), the draft model first, then the lookups as given."""
+    joined by "+" (each once), the model first, then the lookups as given. A draft model and an
+    EAGLE head do not draft in one engine yet (a step runs one model)."""
     if not isinstance(spelling, str) or not spelling.strip():
         raise ValueError(f"speculative_method must be one of "
                          f"{', '.join(map(repr, SPECULATIVE_METHODS))} or several joined by "
@@ -176,7 +180,10 @@ def parse_methods(spelling) -> tuple[str, ...]:
                              f"{', '.join(map(repr, SPECULATIVE_METHODS))}")
     if len(set(methods)) < len(methods):
         raise ValueError(f"speculative_method {spelling!r} names a drafter twice")
-    return tuple(sorted(methods, key=lambda m: m != "draft_model"))
+    if all(m in methods for m in MODEL_METHODS):
+        raise ValueError(f"speculative_method {spelling!r} names a draft model and an EAGLE "
+                         f"head; an engine drafts with one of them (beside lookups)")
+    return tuple(sorted(methods, key=lambda m: m not in MODEL_METHODS))
 
 
 def resolve_elastic_pool_layout(layout: str) -> str:

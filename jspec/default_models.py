@@ -58,6 +58,27 @@ def tiny_random_intermediate() -> str:
     return str(path)
 
 
+def default_head() -> str:
+    """The built-in target's EAGLE-3 head (``models/default_pair/eagle3``, trained by ``jspec
+    train-eagle``), or for the tiny random fallback target a random head, built on first use
+    and cached."""
+    head = SHIPPED_DIR / "eagle3"
+    if shipped_pair() is not None:
+        if not (head / "model.safetensors").exists():
+            raise ValueError(f"the built-in target's EAGLE-3 head is not installed ({head}); "
+                             "give one as the draft")
+        return str(head)
+    from jspec.models.config import ModelConfig
+    from jspec.models.eagle_checkpoint import write_tiny_eagle
+
+    target, _ = tiny_random_pair()
+    path = cache_dir() / "tiny-random-pair-v1" / "eagle3"
+    if not (path / "config.json").exists():
+        write_tiny_eagle(path, ModelConfig.from_json_file(os.path.join(target, "config.json")),
+                         seed=3)
+    return str(path)
+
+
 def default_pool() -> tuple[str, dict[str, str]]:
     """(target_dir, {name: dir}) of the built-in pool, smallest first: the draft and the middle
     model (``LLM(policy="specrouter")`` with no models given)."""

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jspec.sampler import (SamplingTensors, rejection_sample, row_uniforms, sample_draft_tokens,
                            sample_tokens)
+from jspec.models import eagle
 from jspec.models.config import ModelConfig
 from jspec.models.transformer import KVCache, ModelInput, forward
 from jspec.kernels.pytree import array_dataclass
@@ -46,11 +47,22 @@ class StepOptions:
     batch_invariant: bool = False
     num_steps: int = 0
     with_stats: bool = False
+    aux_layers: tuple[int, ...] = ()
+    eagle: Any = None  # the EagleConfig of a head that drafts (models/eagle_checkpoint.py)
 
     def forward(self, params: dict, kv: KVCache, batch: ModelInput, attention_fn=None):
         return forward(params, kv, batch, cfg=self.cfg,
                        attention_fn=attention_fn or self.attention_fn, mesh=self.mesh,
-                       batch_invariant=self.batch_invariant)
+                       batch_invariant=self.batch_invariant, aux_layers=self.aux_layers)
+
+    def eagle_forward(self, params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInput,
+                      attention_fn=None):
+        """The EAGLE head (``models/eagle.py``) over ``batch`` with hidden states ``hidden``
+        [T, H]: (logits over the target's vocabulary, pre-norm hidden at the logits rows, kv)."""
+        return eagle.eagle_forward(params, kv, hidden, batch, cfg=self.cfg,
+                                   attention_fn=attention_fn or self.attention_fn,
+                                   target_vocab=self.cfg.vocab_size,
+                                   norm_before_residual=self.eagle.norm_before_residual)
 
 
 @array_dataclass
@@ -108,13 +120,63 @@ class DraftResult:
 
 def draft_loop(params: dict, kv: KVCache, inputs: DraftInputs, st: SamplingTensors, *,
                opts: StepOptions):
-    """Draft up to ``opts.num_steps`` tokens per sequence.
+    """Draft up to ``opts.num_steps`` tokens per sequence with a draft model.
 
     ``inputs.first`` feeds each drafting sequence's pending tokens (the 1-2 tokens the draft has not
     seen; longer lags were caught up before) and asks for logits at its last one: that is the
     distribution of x_1. Iterations k = 1.. feed x_k at position next_positions + k - 1, one token
-    per sequence row. Rows that are not drafting (γ_i = 0, stopped, prefill, padding) see an
-    all-null page table, so whatever they compute lands in the null block.
+    per sequence row (``_draft_tokens`` says which are drafted).
+    """
+    cfg, attention_fn = opts.cfg, opts.attention_fn
+    # ``first`` brings at most MAX_PENDING tokens per row (input_batch asserts it): one tile each
+    logits0, kv = forward(params, kv, inputs.first, cfg=cfg,
+                          attention_fn=functools.partial(attention_fn, max_q_len=MAX_PENDING))
+
+    def feed(md, tok, rows, carry, kv):
+        logits, kv = forward(params, kv, ModelInput(tok, md, rows), cfg=cfg,
+                             attention_fn=attention_fn)
+        return logits, carry, kv
+
+    no_carry = jnp.zeros((inputs.gammas.shape[0], 0), jnp.float32)
+    result, _, kv = _draft_tokens(feed, logits0, no_carry, kv, inputs, st, opts)
+    return result, kv
+
+
+def eagle_draft_loop(params: dict, kv: KVCache, target_h: jax.Array, inputs: DraftInputs,
+                     st: SamplingTensors, *, opts: StepOptions):
+    """Draft with an EAGLE-3 head (``models/eagle.py``). ``inputs.first`` feeds each drafting
+    row's tokens the head has not taken yet, token t at position t - 1 beside the target's
+    hidden state there (read from ``target_h``, fused by ``fc``): the last one's logits give
+    x_1. Iteration k feeds x_k at ``next_positions + k - 1`` beside the head's own pre-norm
+    hidden state of the position before."""
+    hidden = eagle.fuse_hidden(params, eagle.gather_hidden(target_h, inputs.first))
+    width = inputs.first.input_ids.shape[0] // inputs.gammas.shape[0]
+    logits0, carry, kv = opts.eagle_forward(
+        params, kv, hidden, inputs.first,
+        attention_fn=functools.partial(opts.attention_fn, max_q_len=width))
+
+    def feed(md, tok, rows, carry, kv):
+        return opts.eagle_forward(params, kv, carry, ModelInput(tok, md, rows))
+
+    return _draft_tokens(feed, logits0, carry, kv, inputs, st, opts)
+
+
+def eagle_catch_up(params: dict, kv: KVCache, target_h: jax.Array, batch: ModelInput, *,
+                   opts: StepOptions) -> KVCache:
+    """Feed an EAGLE head tokens it missed (token t at position t - 1, with the target's hidden
+    state there) without drafting."""
+    hidden = eagle.fuse_hidden(params, eagle.gather_hidden(target_h, batch))
+    return opts.eagle_forward(params, kv, hidden, batch)[2]
+
+
+def _draft_tokens(feed, logits0, carry0, kv, inputs: DraftInputs, st: SamplingTensors,
+                  opts: StepOptions):
+    """The draft loop shared by every model drafter: from ``logits0`` (x_1's distribution) and
+    a per-row ``carry0`` (what the model carries from one drafted position to the next: an EAGLE
+    head's hidden state; nothing for a draft model), sample x_k and, while some row drafts on,
+    ``feed(md, tokens, rows, carry, kv) -> (logits, carry, kv)`` it at position
+    ``next_positions + k - 1``. Rows that are not drafting (γ_i = 0, stopped, prefill, padding)
+    see an all-null page table, so whatever they compute lands in the null block.
 
     A token j is drafted iff j < γ_i, the product of the confidences of the tokens before it is
     ≥ stop_confidence_i, and the entropy of its distribution is ≤ stop_entropy_i.
@@ -122,13 +184,12 @@ def draft_loop(params: dict, kv: KVCache, inputs: DraftInputs, st: SamplingTenso
     ``opts.with_stats``: compute confidence and entropy (two full-vocabulary reductions per
     drafted token) and apply the stop rules. Only policies that stop drafts early or ``select``
     read them; for the others the loop drafts exactly γ_i tokens and returns zeros there.
-    """
-    cfg, num_steps, with_stats = opts.cfg, opts.num_steps, opts.with_stats
-    attention_fn = opts.attention_fn
+    Returns (DraftResult, the last carry, kv)."""
+    num_steps, with_stats = opts.num_steps, opts.with_stats
     next_positions, page_table, gammas = inputs.next_positions, inputs.page_table, inputs.gammas
     stop_confidence, stop_entropy = inputs.stop_confidence, inputs.stop_entropy
     num_rows = gammas.shape[0]
-    vocab = cfg.vocab_size
+    vocab = logits0.shape[-1]
     uniforms = row_uniforms(st, _DRAFT_STREAM, num_steps)
 
     def draft_one(logits, k, active, cum_conf):
@@ -146,26 +207,24 @@ def draft_loop(params: dict, kv: KVCache, inputs: DraftInputs, st: SamplingTenso
     # One sampling site: each iteration samples token k from the logits it carries, then (only
     # while some row may draft token k + 1) feeds token k to the draft for the next logits. The
     # sampling graph costs more compile time than the draft's forward, so it is built once.
-    # ``first`` brings at most MAX_PENDING tokens per row (input_batch asserts it): one tile each
-    logits0, kv = forward(params, kv, inputs.first, cfg=cfg,
-                          attention_fn=functools.partial(attention_fn, max_q_len=MAX_PENDING))
     rows = jnp.arange(num_rows, dtype=jnp.int32)
 
-    def feed(k, tok, more, kv):
+    def feed_k(k, tok, more, carry, kv):
         md = AttentionMetadata(
             positions=jnp.where(more, next_positions + k, 0),
             cu_q_lens=jnp.arange(num_rows + 1, dtype=jnp.int32),
             kv_lens=jnp.where(more, next_positions + k + 1, 0),
             page_table=jnp.where(more[:, None], page_table, 0),
         )
-        return forward(params, kv, ModelInput(tok, md, rows), cfg=cfg, attention_fn=attention_fn)
+        return feed(md, tok, rows, carry, kv)
 
     def cond(state):
         k, active = state[0], state[1]
         return (k < num_steps) & jnp.any(active)
 
     def body(state):
-        k, active, kv, logits, tokens, logits_buf, conf_buf, ent_buf, num_drafted, cum_conf = state
+        (k, active, kv, logits, carry, tokens, logits_buf, conf_buf, ent_buf, num_drafted,
+         cum_conf) = state
         tok, conf, ent, drafted = draft_one(logits, k, active, cum_conf)
         tokens = tokens.at[:, k].set(tok)
         logits_buf = logits_buf.at[:, k].set(logits)
@@ -174,18 +233,20 @@ def draft_loop(params: dict, kv: KVCache, inputs: DraftInputs, st: SamplingTenso
         num_drafted = num_drafted + drafted.astype(jnp.int32)
         cum_conf = jnp.where(drafted, cum_conf * conf, cum_conf)
         more = drafted & (k + 1 < gammas)
-        logits, kv = jax.lax.cond(jnp.any(more), lambda kv: feed(k, tok, more, kv),
-                                  lambda kv: (logits, kv), kv)
-        return (k + 1, more, kv, logits, tokens, logits_buf, conf_buf, ent_buf, num_drafted,
-                cum_conf)
+        logits, carry, kv = jax.lax.cond(
+            jnp.any(more), lambda c, kv: feed_k(k, tok, more, c, kv),
+            lambda c, kv: (logits, c, kv), carry, kv)
+        return (k + 1, more, kv, logits, carry, tokens, logits_buf, conf_buf, ent_buf,
+                num_drafted, cum_conf)
 
     zeros = jnp.zeros((num_rows, num_steps), jnp.float32)
-    state = (jnp.int32(0), gammas > 0, kv, logits0, jnp.zeros((num_rows, num_steps), jnp.int32),
+    state = (jnp.int32(0), gammas > 0, kv, logits0, carry0,
+             jnp.zeros((num_rows, num_steps), jnp.int32),
              jnp.zeros((num_rows, num_steps, vocab), jnp.float32), zeros, zeros,
              jnp.zeros((num_rows,), jnp.int32), jnp.ones((num_rows,), jnp.float32))
-    _, _, kv, _, tokens, logits_buf, conf_buf, ent_buf, num_drafted, _ = jax.lax.while_loop(
-        cond, body, state)
-    return DraftResult(tokens, logits_buf, num_drafted, conf_buf, ent_buf), kv
+    _, _, kv, _, carry, tokens, logits_buf, conf_buf, ent_buf, num_drafted, _ = \
+        jax.lax.while_loop(cond, body, state)
+    return DraftResult(tokens, logits_buf, num_drafted, conf_buf, ent_buf), carry, kv
 
 
 def verify_forward(params: dict, kv: KVCache, batch: ModelInput, draft_tokens: jax.Array,

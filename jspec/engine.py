@@ -58,8 +58,9 @@ class LLMEngine:
         kv_dtype = engine_setup.kv_dtype_of(config, target)
         self.rc, memory = engine_setup.size_cache(config, target, pool, kv_dtype)
         speculates = bool(pool) or bool(self.lookups)
-        chains = engine_setup.check_chains(policy, len(self.pool_names) if speculates else 0,
-                                           len(pool))
+        chains = engine_setup.check_chains(
+            policy, len(self.pool_names) if speculates else 0, len(pool),
+            frozenset(i for i, m in enumerate(pool) if m.eagle is not None))
         self.gamma_buckets = gamma_buckets(policy.possible_gammas(), self.max_gamma) \
             if speculates and chains else (0,)
         policy.set_gamma_buckets(self.gamma_buckets)  # the shapes its plans will run at

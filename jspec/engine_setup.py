@@ -58,7 +58,7 @@ def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> tuple[str, ..
                          f"{len(pool)} draft model(s) were given; give none, or name "
                          f"'draft_model' too (e.g. 'draft_model+{lookups[0]}')")
     if config.uses_draft_model and not pool:
-        raise ValueError(f"speculative_method {method!r} names 'draft_model', but no draft "
+        raise ValueError(f"speculative_method {method!r} names a model, but no draft "
                          f"model was given")
     if config.elastic_memory:
         raise ValueError(f"elastic_memory offloads the draft model; it does not run beside "
@@ -82,11 +82,12 @@ def check_lookup_policy(policy: Policy, method: str) -> None:
                          f"model); use a policy without it, e.g. 'auto', 'static' or 'off'")
 
 
-def check_chains(policy: Policy, pool_size: int, num_models: int | None = None
-                 ) -> frozenset[tuple[int, ...]]:
+def check_chains(policy: Policy, pool_size: int, num_models: int | None = None,
+                 heads: frozenset[int] = frozenset()) -> frozenset[tuple[int, ...]]:
     """The chains the policy may play, checked against the pool (its ``num_models`` draft
     models first, then the lookups): indices in range, strictly increasing (each level a
-    larger model than the one it verifies), at most two drafts, a lookup only alone."""
+    larger model than the one it verifies), at most two drafts, a lookup and an EAGLE head
+    (pool indices ``heads``) only alone."""
     if not pool_size:
         return frozenset()
     num_models = pool_size if num_models is None else num_models
@@ -100,10 +101,26 @@ def check_chains(policy: Policy, pool_size: int, num_models: int | None = None
         if len(c) > 1 and any(m >= num_models for m in c):
             raise ValueError(f"policy {policy.name!r} may play chain {c}: a drafter without a "
                              f"model drafts alone, it cannot be a level of a chain")
+        if len(c) > 1 and heads & set(c):
+            raise ValueError(f"policy {policy.name!r} may play chain {c}: an EAGLE head drafts "
+                             f"alone, it cannot be a level of a chain")
     return chains
 
 
 def check_pool(config: EngineConfig, pool: list[LoadedModel]) -> None:
+    heads = [m for m in pool if m.eagle is not None]
+    if "eagle3" in config.drafters and (len(heads) != 1 or len(pool) != 1):
+        raise ValueError(f"speculative_method {config.speculative_method!r} drafts with an "
+                         f"EAGLE-3 head: give one head as the draft (got "
+                         f"{', '.join(m.name for m in pool) or 'none'})")
+    if len(heads) > 1:
+        raise ValueError(f"{len(heads)} EAGLE heads were given; an engine drafts with one")
+    if heads and config.elastic_memory:
+        raise ValueError("elastic_memory offloads a draft model; an EAGLE head drafts from the "
+                         "target's hidden states and is not offloaded: turn one of them off")
+    if heads and config.tensor_parallel_size > 1:
+        raise ValueError("an EAGLE head does not draft beside a tensor-parallel target yet "
+                         "(tensor_parallel_size=1, or a draft model)")
     if len(pool) > 1 and config.elastic_memory:
         raise ValueError("elastic_memory offloads one draft model; it does not support a "
                          f"pool of {len(pool)} drafts yet")
@@ -128,7 +145,10 @@ def size_cache(config: EngineConfig, target: LoadedModel, pool: list[LoadedModel
     tp = config.tensor_parallel_size
     if tp > 1:
         check_shardable(target.cfg, tp)
-    target_block_bytes = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype)
+    # an EAGLE head reads the target's hidden states of every token, kept beside its K/V
+    hidden = sum(len(m.eagle.aux_layers) * target.cfg.hidden_size for m in pool if m.eagle)
+    target_block_bytes = KVCache.bytes_per_block(target.cfg, config.block_size, kv_dtype,
+                                                 hidden)
     # every pool model keeps its own KV pool over the same block ids
     draft_block_bytes = sum(KVCache.bytes_per_block(m.cfg, config.block_size, kv_dtype)
                             for m in pool)
@@ -149,13 +169,14 @@ def engine_policy(config: EngineConfig, policy: Policy | None, target: LoadedMod
                   pool: list[LoadedModel]) -> tuple[Policy, tuple[str, ...]]:
     """The policy the engine runs (the config's unless one is given; ``off`` without a draft)
     and the pool's names as chains, policy options and metrics call them (one draft is
-    "draft" whatever it was loaded as)."""
+    "draft" whatever it was loaded as, one EAGLE head "eagle3")."""
     policy = policy or make_policy(config.policy, config.num_speculative_tokens,
                                    **config.policy_kwargs)
     lookups = config.lookups
     if not pool and not lookups and not isinstance(policy, OffPolicy):
         policy = OffPolicy(0)
-    models = tuple(m.name for m in pool) if len(pool) > 1 else ("draft",) if pool else ()
+    lone = "eagle3" if pool and pool[0].eagle is not None else "draft"
+    models = tuple(m.name for m in pool) if len(pool) > 1 else (lone,) if pool else ()
     pool_names = models + lookups
     policy.set_pool(pool_names)
     policy.set_lookups(range(len(models), len(pool_names)))

@@ -141,14 +141,22 @@ def _feed_pending(seq: Sequence, model: int, start: int, input_ids: np.ndarray,
     return pending
 
 
-def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray, model: int = 0
-                      ) -> tuple[ModelInput, np.ndarray, np.ndarray]:
+def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray, model: int = 0,
+                      head_width: int = 0) -> tuple[ModelInput, np.ndarray, np.ndarray]:
     """Iteration 0 of the draft loop of pool model ``model``: each drafting row feeds its
-    pending tokens (1 or 2).
+    pending tokens (1 or 2) and asks for logits at the last.
 
-    Returns (batch with 2*S tokens and S logits rows, next_positions [S], gammas [S]).
+    ``head_width`` > 0: the model is an EAGLE head (jspec/proposers/eagle.py), which takes
+    token t at position t - 1 and counts in ``draft_computed`` the tokens it has taken (token 0
+    never is); each row feeds up to ``head_width`` of them, and a row with none to take (a
+    one-token prompt: the target has no state yet) drafts nothing.
+
+    Returns (batch with width*S tokens and S logits rows, next_positions [S]: where drafted
+    token 1 goes, gammas [S]).
     """
-    num_tokens = MAX_PENDING * num_rows
+    width = head_width or MAX_PENDING
+    shift = 1 if head_width else 0
+    num_tokens = width * num_rows
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     cu_q_lens = np.zeros(num_rows + 1, np.int32)
@@ -158,12 +166,20 @@ def draft_first_input(rows: list[RowWork], num_rows: int, table: np.ndarray, mod
     gammas = np.zeros(num_rows, np.int32)
     start = 0
     for i, row in enumerate(rows):
-        if row.gamma_planned > 0:
-            q_len = _feed_pending(row.seq, model, start, input_ids, positions)
-            end = row.seq.num_tokens
-            kv_lens[i] = end
+        seq = row.seq
+        end = seq.num_tokens
+        if row.gamma_planned > 0 and end > shift:
+            if head_width:
+                first = max(seq.draft_computed[model], 1)
+                q_len = end - first
+                assert q_len <= width, "an EAGLE head's lag must be caught up before it drafts"
+                input_ids[start:start + q_len] = seq.token_ids()[first:end]
+                positions[start:start + q_len] = np.arange(first - 1, end - 1)
+            else:
+                q_len = _feed_pending(seq, model, start, input_ids, positions)
+            kv_lens[i] = end - shift
             logits_indices[i] = start + q_len - 1
-            next_positions[i] = end
+            next_positions[i] = end - shift
             gammas[i] = row.gamma_planned
             start += q_len
         cu_q_lens[i + 1] = start

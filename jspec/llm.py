@@ -13,7 +13,8 @@ from jspec.request_checks import check_messages, is_token_id, render_chat, type_
 from jspec.sampling_params import SamplingParams
 
 
-def load_model(path: str | os.PathLike, dtype: str, name: str, on_host: bool = False):
+def load_model(path: str | os.PathLike, dtype: str, name: str, on_host: bool = False,
+               target=None):
     """A HF checkpoint directory -> LoadedModel (params on the default device, or in host
     memory with ``on_host``: the tensor-parallel runner shards them from there). ``dtype`` is
     'bfloat16' or 'float32' (``jspec.config.resolve_dtype``); a bfloat16 that is slow on this CPU
@@ -25,9 +26,34 @@ def load_model(path: str | os.PathLike, dtype: str, name: str, on_host: bool = F
     from jspec.models.loader import load_checkpoint
 
     warn_if_slow_cpu_bf16(dtype, stacklevel=2)
-    cfg, params = load_checkpoint(path, dtype=jnp.bfloat16 if dtype == "bfloat16"
-                                  else jnp.float32, on_host=on_host)
+    jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    if target is not None and is_eagle_checkpoint(path):
+        return load_eagle_head(path, jdtype, name, target)
+    cfg, params = load_checkpoint(path, dtype=jdtype, on_host=on_host)
     return LoadedModel(cfg=cfg, params=params, name=name)
+
+
+def load_eagle_head(path, dtype, name: str, target):
+    """An EAGLE-3 head's directory -> LoadedModel for ``target`` (a LoadedModel): the head's
+    decoder layer as its config, its ``EagleConfig`` beside, and the target's embedding shared
+    when the head has none of its own (the published heads mostly do not)."""
+    import numpy as np
+
+    from jspec.runner import LoadedModel
+    from jspec.models.eagle_checkpoint import load_eagle
+
+    ecfg, params = load_eagle(path, target.cfg, dtype)
+    if np.array_equal(np.asarray(params["d2t"]), np.arange(target.cfg.vocab_size)):
+        params = {k: v for k, v in params.items() if k != "d2t"}  # no mapping to apply
+    if not ecfg.own_embed:
+        params = dict(params, embed=target.params["embed"])
+    return LoadedModel(cfg=ecfg.layer, params=params, name=name, eagle=ecfg)
+
+
+def is_eagle_checkpoint(path) -> bool:
+    from jspec.models.eagle_checkpoint import is_eagle_checkpoint as is_head
+
+    return isinstance(path, (str, os.PathLike)) and is_head(path)
 
 
 def _pool_names(paths: list) -> list[str]:
@@ -84,9 +110,22 @@ def _from_vllm_spelling(target, draft, model, speculative_config: dict | None,
                              f"{type(speculative_config).__name__}")
         spec = dict(speculative_config)
         method = spec.pop("method", None)
-        if method not in (None, "draft_model", "ngram", "suffix"):
+        if method in ("eagle", "medusa", "mlp_speculator"):
+            raise ValueError(f"speculative_config method {method!r} is not supported; of the "
+                             "draft heads, EAGLE-3 heads are: method 'eagle3'")
+        if method not in (None, "draft_model", "eagle3", "ngram", "suffix"):
             raise ValueError(f"speculative_config method {method!r} is not supported; "
-                             "supported: 'draft_model', 'ngram', 'suffix'")
+                             "supported: 'draft_model', 'eagle3', 'ngram', 'suffix'")
+        if method == "eagle3":
+            options["speculative_method"] = method
+            head = spec.get("model", draft)
+            if head is None and target is not None:
+                raise ValueError("speculative_config method 'eagle3' needs 'model': the head's "
+                                 "directory (the built-in target's head needs no target either)")
+            if head is not None and not is_eagle_checkpoint(head):
+                raise ValueError(f"speculative_config method 'eagle3': {os.fspath(head)!r} is "
+                                 "not an EAGLE-3 head (its config.json names neither "
+                                 "LlamaForCausalLMEagle3 nor speculators_model_type 'eagle3')")
         if method == "suffix":
             if "model" in spec:
                 raise ValueError("speculative_config method 'suffix' drafts from suffix trees "
@@ -159,7 +198,7 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
     ``tokenizer`` is required); ``draft`` may be a list: a pool of drafts for SpecRouter's
     chains."""
     from jspec.config import resolve_dtype
-    from jspec.default_models import cache_dir, default_pair, default_pool
+    from jspec.default_models import cache_dir, default_head, default_pair, default_pool
     from jspec.engine import LLMEngine
     from jspec.platform import configure_cpu_devices, warn_if_slow_cpu_bf16
     from jspec.runner import LoadedModel, enable_persistent_compilation_cache
@@ -180,6 +219,8 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
         target, draft = default_pair()
         if not config.uses_draft_model:
             draft = None  # lookups draft: only the built-in target loads
+        elif "eagle3" in config.drafters:
+            draft = default_head()
         from jspec.policies import make_policy
 
         probe = policy_obj or make_policy(config.policy, config.num_speculative_tokens,
@@ -205,11 +246,12 @@ def build_engine(target: "str | os.PathLike | LoadedModel | None" = None,
     target_model = target if isinstance(target, LoadedModel) else load_model(
         target, dtype, "target", on_host=config.tensor_parallel_size > 1)
     if isinstance(draft, list):
-        draft_model = [d if isinstance(d, LoadedModel) else load_model(d, dtype, name)
+        draft_model = [d if isinstance(d, LoadedModel) else load_model(d, dtype, name,
+                                                                       target=target_model)
                        for d, name in zip(draft, names)]
     else:
         draft_model = draft if draft is None or isinstance(draft, LoadedModel) else load_model(
-            draft, dtype, "draft")
+            draft, dtype, "draft", target=target_model)
     tok = load_tokenizer(tokenizer or target)
     drafts = draft_model if isinstance(draft_model, list) else [draft_model]
     paths = draft if isinstance(draft, list) else [draft]

@@ -131,9 +131,13 @@ def _spec(tree):
 
 @dataclasses.dataclass
 class LoadedModel:
+    """A model's config and params. ``eagle``: for an EAGLE-3 head, its ``EagleConfig``
+    (``cfg`` is then its one decoder layer's, over the target's vocabulary)."""
+
     cfg: ModelConfig
     params: dict
     name: str = "model"
+    eagle: Any = None
 
 
 # How a step's drafts are verified: "dist" with the draft model's distribution q, "onehot" a
@@ -209,6 +213,13 @@ class ModelRunner:
         # in use.
         self.extension_layout = (resolve_elastic_pool_layout(rc.engine.elastic_pool_layout)
                                  if rc.num_extension_blocks else None)
+        # an EAGLE head drafts from the target's hidden states: the target's forwards write
+        # them into its pool (KVCache.h) for the layers the head reads
+        heads = [m.eagle for m in self.pool if m.eagle is not None]
+        self.aux_layers: tuple[int, ...] = tuple(heads[0].aux_layers) if heads else ()
+        if heads and (self.mesh is not None or self.extension_layout is not None):
+            raise ValueError("an EAGLE head drafts with neither tensor parallelism nor elastic "
+                             "memory yet")
         # each kernel's backend, judged at every shape this runner runs it at
         self.kernels = kernel_backend.select(rc.engine.kernel_backend, self._kernel_shapes())
         self.kernel_backend = str(self.kernels)
@@ -217,7 +228,8 @@ class ModelRunner:
         # blocks of the target's pool as one array: the base, plus the extension if preallocated
         self._one_array_blocks = rc.num_kv_blocks + (
             rc.num_extension_blocks if self.extension_layout == "preallocated" else 0)
-        self.target_kv = self._new_kv(target.cfg, self._one_array_blocks, sharding.KV_SPEC)
+        self.target_kv = self._new_kv(target.cfg, self._one_array_blocks, sharding.KV_SPEC,
+                                      self.hidden_width)
         self.pool_kv: list[KVCache | None] = [
             self._new_kv(m.cfg, rc.num_kv_blocks, sharding.REPLICATED) for m in self.pool]
         self.draft_resident = bool(self.pool)
@@ -240,10 +252,24 @@ class ModelRunner:
             shapes.append(shape(self.target.cfg, segments=2))
         return shapes
 
-    def _new_kv(self, cfg: ModelConfig, num_blocks: int, spec) -> KVCache:
+    def _new_kv(self, cfg: ModelConfig, num_blocks: int, spec, hidden_width: int = 0
+                ) -> KVCache:
         """An empty KV pool; on a mesh, placed by ``spec``."""
         where = None if self.mesh is None else NamedSharding(self.mesh, spec)
-        return KVCache.create(cfg, num_blocks, self.rc.engine.block_size, self.kv_dtype, where)
+        return KVCache.create(cfg, num_blocks, self.rc.engine.block_size, self.kv_dtype, where,
+                              hidden_width)
+
+    @property
+    def hidden_width(self) -> int:
+        """Width of the target's captured hidden states (``KVCache.h``; 0: no EAGLE head)."""
+        return len(self.aux_layers) * self.target.cfg.hidden_size
+
+    @property
+    def eagle_first_width(self) -> int:
+        """Tokens per row in an EAGLE head's first draft forward: what it has not taken yet,
+        at most the accepted tokens and the bonus of the longest draft; longer lags (after
+        plain steps, a prompt) are caught up first."""
+        return max(self.gamma_buckets) + 1
 
     def _sds(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
         """An input's abstract value: replicated over the mesh when there is one."""
@@ -305,12 +331,17 @@ class ModelRunner:
             return exe
         model_key = None if model is None else (
             model.cfg, str(jax.tree_util.tree_leaves(model.params)[0].dtype))
+        if model is not None and model.eagle is not None:
+            # heads over one layer shape differ in their vocabulary, embedding and inputs
+            model_key += (model.eagle, jax.tree_util.tree_structure(model.params),
+                          tuple(a.shape for a in jax.tree_util.tree_leaves(model.params)))
         # sampling-only executables (model None) do not touch the KV pool
         geometry = () if model is None else (str(self.kv_dtype), self.rc.num_kv_blocks,
                                              self.rc.num_extension_blocks,
                                              self.extension_layout,
                                              self.rc.engine.block_size, self.rc.max_pages,
-                                             self.kernels, self.batch_invariant)
+                                             self.kernels, self.batch_invariant,
+                                             self.aux_layers)
         mesh = () if self.mesh is None else tuple(d.id for d in self.mesh.devices.flat)
         full_key = (key, model_key, geometry, mesh)
         # One compilation at a time, process-wide: building executables on several threads at
@@ -373,7 +404,9 @@ class ModelRunner:
             segs = (seg(rc.num_kv_blocks), seg(rc.num_extension_blocks))
             return KVCache(segs, segs)
         one = seg(self._one_array_blocks)
-        return KVCache(one, one)
+        h = (jax.ShapeDtypeStruct((self._one_array_blocks, bs, self.hidden_width), self.kv_dtype)
+             if self.hidden_width else None)
+        return KVCache(one, one, h)
 
     def _attention(self, max_q_len: int | None, target: bool = False):
         """The attention function, told (statically) that no sequence brings more than
@@ -432,7 +465,8 @@ class ModelRunner:
 
     def _target_options(self, max_q_len: int | None) -> device_steps.StepOptions:
         return device_steps.StepOptions(self.target.cfg, self._attention(max_q_len, target=True),
-                                        mesh=self.mesh, batch_invariant=self.batch_invariant)
+                                        mesh=self.mesh, batch_invariant=self.batch_invariant,
+                                        aux_layers=self.aux_layers)
 
     def _drafts_spec(self, num_seqs: int, gamma: int, kind: str = "dist"
                      ) -> device_steps.Drafts:
@@ -518,21 +552,30 @@ class ModelRunner:
 
         def build():
             opts = device_steps.StepOptions(m.cfg, self._attn, num_steps=gamma,
-                                            with_stats=self.draft_stats)
-            fn = functools.partial(device_steps.draft_loop, opts=opts)
+                                            with_stats=self.draft_stats, eagle=m.eagle)
             i32, f32 = jnp.int32, jnp.float32
             s = (num_seqs,)
+            width = self.eagle_first_width if m.eagle else device_steps.MAX_PENDING
             inputs = device_steps.DraftInputs(
-                first=self._input_spec(device_steps.MAX_PENDING * num_seqs, num_seqs, num_seqs),
+                first=self._input_spec(width * num_seqs, num_seqs, num_seqs),
                 next_positions=self._sds(s, i32),
                 page_table=self._sds((num_seqs, self.rc.max_pages), i32),
                 gammas=self._sds(s, i32), stop_confidence=self._sds(s, f32),
                 stop_entropy=self._sds(s, f32))
-            specs = (_spec(m.params), _spec(self.pool_kv[model]), inputs,
-                     self._sampling_spec(num_seqs))
+            if m.eagle:
+                fn = functools.partial(device_steps.eagle_draft_loop, opts=opts)
+                specs = (_spec(m.params), _spec(self.pool_kv[model]), self._hidden_spec(),
+                         inputs, self._sampling_spec(num_seqs))
+            else:
+                fn = functools.partial(device_steps.draft_loop, opts=opts)
+                specs = (_spec(m.params), _spec(self.pool_kv[model]), inputs,
+                         self._sampling_spec(num_seqs))
             return self._compile(fn, specs, donate_kv=True)
 
-        return self._executable(("draft", num_seqs, gamma, self.draft_stats, model), m, build)
+        key = ("draft", num_seqs, gamma, self.draft_stats, model)
+        if m.eagle:  # its first forward's width follows the engine's longest draft
+            key += (self.eagle_first_width,)
+        return self._executable(key, m, build)
 
     def intermediate_executable(self, num_seqs: int, gamma: int, model: int):
         """Pool model ``model`` verifying a γ-token draft inside a chain
@@ -560,13 +603,21 @@ class ModelRunner:
         m = self.pool[model]
 
         def build():
-            fn = functools.partial(device_steps.catch_up,
-                                   opts=device_steps.StepOptions(m.cfg, self._attn))
-            specs = (_spec(m.params), _spec(self.pool_kv[model]),
-                     self._input_spec(num_tokens, self.catch_up_rows, 2))
+            opts = device_steps.StepOptions(m.cfg, self._attn, eagle=m.eagle)
+            batch = self._input_spec(num_tokens, self.catch_up_rows, 2)
+            if m.eagle:
+                fn = functools.partial(device_steps.eagle_catch_up, opts=opts)
+                specs = (_spec(m.params), _spec(self.pool_kv[model]), self._hidden_spec(),
+                         batch)
+            else:
+                fn = functools.partial(device_steps.catch_up, opts=opts)
+                specs = (_spec(m.params), _spec(self.pool_kv[model]), batch)
             return self._compile(fn, specs, donate_kv=True)
 
         return self._executable(("catch_up", num_tokens, self.catch_up_rows, model), m, build)
+
+    def _hidden_spec(self) -> jax.ShapeDtypeStruct:
+        return self._target_kv_spec(False).h
 
     @property
     def catch_up_rows(self) -> int:
@@ -661,8 +712,12 @@ class ModelRunner:
                   model: int = 0):
         self._check_draft_resident()
         exe = self.draft_executable(inputs.gammas.shape[0], gamma, model)
-        result, self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model], inputs,
-                                          st)
+        m = self.pool[model]
+        if m.eagle:  # the head's last hidden state stays on device: nothing reads it
+            result, _, self.pool_kv[model] = exe(m.params, self.pool_kv[model],
+                                                 self.target_kv.h, inputs, st)
+        else:
+            result, self.pool_kv[model] = exe(m.params, self.pool_kv[model], inputs, st)
         return result
 
     def run_intermediate(self, batch: ModelInput, st: SamplingTensors,
@@ -677,7 +732,8 @@ class ModelRunner:
     def run_catch_up(self, batch: ModelInput, model: int = 0) -> None:
         self._check_draft_resident()
         exe = self.catch_up_executable(batch.input_ids.shape[0], model)
-        self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model], batch)
+        args = (self.target_kv.h,) if self.pool[model].eagle else ()
+        self.pool_kv[model] = exe(self.pool[model].params, self.pool_kv[model], *args, batch)
 
     def _migration(self, key: tuple, model: LoadedModel, spec: KVCache):
         """One chunk of a migration plan (``migrate_bucket`` pairs) over a pool of ``spec``."""

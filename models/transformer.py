@@ -37,10 +37,13 @@ AttentionFn = Callable[..., jax.Array]
 class KVCache:
     """A model's paged KV pool: k and v are [layers, num_blocks, block_size, kv_heads, head_dim],
     or tuples of such segments whose blocks number on (``jspec.kernels.segments``: the target's
-    pool while elastic memory has it expanded)."""
+    pool while elastic memory has it expanded). ``h`` [num_blocks, block_size, width]: where an
+    EAGLE head drafts, the target's hidden states that the head reads (``forward``'s
+    ``aux_layers``) over the same block ids; None otherwise."""
 
     k: segments.Pool
     v: segments.Pool
+    h: jax.Array | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -56,15 +59,20 @@ class KVCache:
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
-               device=None) -> "KVCache":
+               device=None, hidden_width: int = 0) -> "KVCache":
         """An empty pool; ``device``: where it lives (a ``NamedSharding`` on a tensor-parallel
-        mesh creates each device's share in place, nothing passes through one device)."""
+        mesh creates each device's share in place, nothing passes through one device);
+        ``hidden_width``: the width of ``h`` (0: none)."""
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
+        h = (jnp.zeros((num_blocks, block_size, hidden_width), dtype, device=device)
+             if hidden_width else None)
+        return cls(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device),
+                   h)
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.kv_size * jnp.dtype(dtype).itemsize
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype, hidden_width: int = 0) -> int:
+        return ((2 * cfg.num_layers * cfg.kv_size + hidden_width) * block_size
+                * jnp.dtype(dtype).itemsize)
 
 
 @array_dataclass
@@ -181,8 +189,12 @@ def forward(
     return_hidden: bool = False,
     mesh: Mesh | None = None,
     batch_invariant: bool = False,
+    aux_layers: tuple[int, ...] = (),
 ):
     """Returns (logits [R, vocab] float32, updated kv). Pure; jit with ``kv`` donated.
+
+    ``aux_layers``: write the residual stream entering these layers, concatenated, into the
+    pool's ``h`` at every token's slot (what an EAGLE-3 head drafts from; ``models/eagle.py``).
 
     ``batch_invariant``: a token's logits do not depend on the rest of the batch (every dot
     runs over at least ``MIN_DOT_ROWS`` rows: ``jspec.kernels.batch_invariance``); pass an
@@ -194,9 +206,15 @@ def forward(
     (``shard_map``): attention without communication, two all-reduces per layer, the logits
     gathered over the vocabulary; everything returned but the pool is replicated.
     """
+    if (kv.h is None) != (not aux_layers):
+        raise ValueError("a pool with hidden states needs the layers to capture, and only it")
     if mesh is None:
         return _forward(params, kv, batch, cfg=cfg, attention_fn=attention_fn,
-                        return_hidden=return_hidden, batch_invariant=batch_invariant)
+                        return_hidden=return_hidden, batch_invariant=batch_invariant,
+                        aux_layers=aux_layers)
+    if aux_layers:
+        raise ValueError("capturing hidden states for an EAGLE head is not built for a "
+                         "tensor-parallel target")
     tp = mesh.size
     body = functools.partial(_forward, cfg=sharding.local_config(cfg, tp),
                              attention_fn=attention_fn, return_hidden=return_hidden,
@@ -226,7 +244,7 @@ def _embed(params: dict, ids: jax.Array, axis: str | None) -> jax.Array:
 
 def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
              attention_fn: AttentionFn, return_hidden: bool, axis: str | None = None,
-             batch_invariant: bool = False):
+             batch_invariant: bool = False, aux_layers: tuple[int, ...] = ()):
     """``forward`` on one device; under ``shard_map`` (``axis`` named) on this device's share:
     ``cfg`` is then jspec.models.sharding.local_config's, the params and pool are local slices."""
     num_rows = batch.logits_indices.shape[0]
@@ -250,9 +268,13 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
     sm_scale = cfg.head_dim ** -0.5
     reduce = None if axis is None else functools.partial(jax.lax.psum, axis_name=axis)
 
+    aux_ids = jnp.asarray(aux_layers, jnp.int32)
+
     def layer(carry, xs):
-        x, k_pool, v_pool = carry
+        x, k_pool, v_pool, aux = carry
         lp, i = xs
+        if aux_layers:  # keep the residual stream entering each captured layer
+            aux = jnp.where((aux_ids == i)[:, None, None], x[None], aux)
 
         def attend(q, k, v):
             # write this layer's new K/V first, then attend over everything in the pool
@@ -263,15 +285,21 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
                                 sliding_window=cfg.sliding_window)
 
         x = decoder_layer(lp, x, cos, sin, attend, cfg=cfg, reduce=reduce)
-        return (x, k_pool, v_pool), None
+        return (x, k_pool, v_pool, aux), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, kv.k, kv.v), (params["layers"], layer_ids))
+    aux = jnp.zeros((len(aux_layers), num_tokens, x.shape[-1]), x.dtype)
+    (x, k_pool, v_pool, aux), _ = jax.lax.scan(layer, (x, kv.k, kv.v, aux),
+                                               (params["layers"], layer_ids))
+    h_pool = kv.h
+    if aux_layers:
+        captured = jnp.transpose(aux, (1, 0, 2)).reshape(num_tokens, -1)
+        h_pool = h_pool.at[blocks, offsets].set(captured.astype(h_pool.dtype))
     logits, hidden = lm_head(params, x[batch.logits_indices], cfg)
     logits, hidden = logits[:num_rows], hidden[:num_rows]
     if vocab_split:
         logits = jax.lax.all_gather(logits, axis, axis=1, tiled=True)
-    new_kv = KVCache(k_pool, v_pool)
+    new_kv = KVCache(k_pool, v_pool, h_pool)
     if return_hidden:
         return logits, new_kv, hidden
     return logits, new_kv
@@ -295,13 +323,22 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) 
 
 
 def dense_forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig,
-                  return_hidden: bool = False):
+                  return_hidden: bool = False, aux_layers: tuple[int, ...] = ()):
     """Plain causal forward of one sequence [T] -> logits [T, vocab]; the test oracle and the
-    training forward. No KV cache, no paging; the same layer code as the paged forward."""
+    training forward. No KV cache, no paging; the same layer code as the paged forward.
+
+    ``aux_layers``: also return the residual stream entering these layers, concatenated
+    [T, len * hidden] (an EAGLE-3 head's input), after the logits (and hidden)."""
     x = params["embed"][tokens].astype(params["embed"].dtype)
     cos, sin = rope_tables(jnp.arange(tokens.shape[-1]), cfg)
     attend = lambda q, k, v: dense_attention(q, k, v, cfg)
-    x, _ = jax.lax.scan(lambda x, lp: (decoder_layer(lp, x, cos, sin, attend, cfg=cfg), None),
-                        x, params["layers"])
+    # each layer's input stacked [L, T, hidden] only when a head needs some of them
+    x, inputs = jax.lax.scan(
+        lambda x, lp: (decoder_layer(lp, x, cos, sin, attend, cfg=cfg), x if aux_layers else None),
+        x, params["layers"])
     logits, hidden = lm_head(params, x, cfg)
-    return (logits, hidden) if return_hidden else logits
+    out = (logits, hidden) if return_hidden else (logits,)
+    if aux_layers:
+        aux = jnp.concatenate([inputs[i] for i in aux_layers], axis=-1)
+        out += (aux,)
+    return out if len(out) > 1 else logits

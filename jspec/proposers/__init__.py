@@ -1,11 +1,12 @@
-"""Drafters behind one interface (``Proposer``): a draft model, a chain of draft models
-(SpecRouter), prompt lookup (n-gram) and suffix decoding, and a step that mixes them row by
+"""Drafters behind one interface (``Proposer``): a draft model, an EAGLE-3 head, a chain of draft
+models (SpecRouter), prompt lookup (n-gram) and suffix decoding, and a step that mixes them row by
 row (``MixedProposer``). ``make_proposers`` builds one per chain the policy may play."""
 
 from __future__ import annotations
 
 from jspec.proposers.base import Proposer
 from jspec.proposers.draft_model import ChainProposer, DraftModelProposer
+from jspec.proposers.eagle import EagleProposer
 from jspec.proposers.mixed import MixedProposer
 from jspec.proposers.ngram import NgramProposer, TokenBuffers, ngram_lookup
 from jspec.proposers.suffix import SuffixProposer, SuffixTree
@@ -39,11 +40,12 @@ def make_proposers(runner, chains, config, num_models: int) -> dict[tuple[int, .
         if chain[0] >= num_models:
             out[chain] = make_lookup(config, lookups[chain[0] - num_models], tokens)
         elif len(chain) == 1:
-            out[chain] = DraftModelProposer(runner, chain[0])
+            out[chain] = (EagleProposer(runner, chain[0]) if runner.pool[chain[0]].eagle
+                          else DraftModelProposer(runner, chain[0]))
         else:
             out[chain] = ChainProposer(runner, *chain)
     return out
 
 
-__all__ = ["ChainProposer", "DraftModelProposer", "MixedProposer", "NgramProposer", "Proposer",
+__all__ = ["ChainProposer", "DraftModelProposer", "EagleProposer", "MixedProposer", "NgramProposer", "Proposer",
            "SuffixProposer", "SuffixTree", "TokenBuffers", "make_proposers", "ngram_lookup"]

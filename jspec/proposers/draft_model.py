@@ -32,9 +32,12 @@ class DraftModelProposer(Proposer):
     def catch_up(self, st) -> int:
         return sum(_catch_up(self.runner, st, m) for m in self.models)
 
+    def _first_input(self, st):
+        """The draft loop's first forward: (batch, next_positions, gammas)."""
+        return ib.draft_first_input(st.rows, st.num_rows, st.table, self.model)
+
     def propose(self, st) -> None:
-        first, next_positions, gammas = ib.draft_first_input(st.rows, st.num_rows, st.table,
-                                                             self.model)
+        first, next_positions, gammas = self._first_input(st)
         stop_conf = np.zeros(st.num_rows, np.float32)
         stop_ent = np.full(st.num_rows, np.inf, np.float32)
         if st.plan.stop_confidence is not None:
@@ -109,7 +112,13 @@ def _catch_up(runner, st, model: int) -> int:
     """Feed pool model ``model`` the tokens it missed while it did not draft (or the prompt),
     leaving the newest one for the draft loop: Nightjar's switching cost. Returns the tokens
     fed."""
-    segments = ib.catch_up_segments(st.rows, model)
+    return feed_segments(runner, st.table, model, ib.catch_up_segments(st.rows, model))
+
+
+def feed_segments(runner, table, model: int, segments, make_input=ib.catch_up_input) -> int:
+    """Run pool model ``model``'s catch-up over ``segments`` ((seq, row, first, end) of tokens
+    to feed) in chunks of the token budget, each batch built by ``make_input(chunk, tokens,
+    rows, table)``; the sequences' counts move to ``end``. Returns the tokens fed."""
     if not segments:
         return 0
     rows = runner.catch_up_rows
@@ -117,8 +126,7 @@ def _catch_up(runner, st, model: int) -> int:
     for chunk in ib.pack_catch_up(segments, runner.rc.max_num_batched_tokens, rows):
         n = sum(end - first for _, _, first, end in chunk)
         fed += n
-        runner.run_catch_up(ib.catch_up_input(chunk, runner.catch_up_tokens(n), rows, st.table),
-                            model)
+        runner.run_catch_up(make_input(chunk, runner.catch_up_tokens(n), rows, table), model)
     for seq, _, _, end in segments:
         seq.draft_computed[model] = end
     runner.sync_draft(model)

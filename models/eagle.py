@@ -1,0 +1,154 @@
+"""The EAGLE-3 draft head's forward (Li et al., "EAGLE-3: Scaling up Inference Acceleration of
+Large Language Models via Training-Time Test", 2025, §3): one decoder layer that drafts from
+the target's own hidden states.
+
+A head position p takes two inputs: the embedding of token p + 1 and a hidden state for
+position p, and predicts token p + 2. For positions the target has computed, the hidden state is
+the target's: its residual stream entering three of its layers (low, middle, high:
+``EagleConfig.aux_layers``), concatenated ([3·Ht]) and fused to the head's width by ``fc``. For a
+drafted position it is the head's own output at the position before (its pre-norm hidden state,
+[H]), which is how the head drafts several tokens. In the layer, the normed embedding and the
+normed hidden state are concatenated ([2H]) before the q/k/v projections; the residual stream
+starts from the (fused) hidden state. The output projection maps to a reduced draft vocabulary;
+``d2t`` places each draft id in the target's vocabulary, and the target tokens outside it get
+probability 0, so the draft distribution q is exact and the usual rejection rule stays lossless.
+
+Serving runs the head paged, like every model here (``eagle_forward``): its one layer's K/V live
+in a pool over the engine's block ids, and the target's captured hidden states live in a pool of
+their own over the same ids (``KVCache.h``, written by the target's forward), read by position
+through the page table. ``eagle_dense`` is the plain one-sequence oracle the tests compare with,
+written from the formulas alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.models.config import ModelConfig
+from jspec.models.transformer import KVCache, ModelInput, apply_rope, dense_attention, \
+    rms_norm, rope_tables
+from jspec.kernels import segments
+from jspec.kernels.precision import dot_precision
+from jspec.kernels.ragged_paged_attention import token_sequence_ids
+
+
+def _dot(x, w):
+    return jnp.dot(x, w, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
+
+
+def fuse_hidden(params: dict, hidden: jax.Array) -> jax.Array:
+    """The target's captured hidden states [T, 3·Ht] fused to the head's width [T, H]."""
+    return _dot(hidden.astype(params["fc"].dtype), params["fc"]).astype(params["fc"].dtype)
+
+
+def _layer(params: dict, emb: jax.Array, hidden: jax.Array, cos, sin, attend, *,
+           cfg: ModelConfig, norm_before_residual: bool) -> jax.Array:
+    """The head's decoder layer over flat tokens: embeddings [T, H] and hidden states [T, H] ->
+    the pre-norm output [T, H] (the hidden state the next drafted position takes)."""
+    lp = params["layer"]
+    num_tokens, dtype = emb.shape[0], emb.dtype
+    normed = rms_norm(hidden, lp["hidden_norm"], cfg.rms_norm_eps)
+    residual = normed if norm_before_residual else hidden
+    x = jnp.concatenate([rms_norm(emb, lp["attn_norm"], cfg.rms_norm_eps), normed], axis=-1)
+    qkv = _dot(x, lp["wqkv"]).astype(dtype)
+    q_size, kv_size = cfg.q_size, cfg.kv_size
+    q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    residual = residual + _dot(attn.reshape(num_tokens, q_size), lp["wo"]).astype(dtype)
+    h = rms_norm(residual, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate, up = jnp.split(_dot(h, lp["w_gate_up"]), 2, axis=-1)
+    down = _dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"])
+    return residual + down.astype(dtype)
+
+
+def draft_logits(params: dict, prenorm: jax.Array, cfg: ModelConfig,
+                 target_vocab: int) -> jax.Array:
+    """Final norm, the draft-vocabulary head and ``d2t`` (absent: the target's vocabulary in
+    order): logits [R, target vocabulary] (float32), -inf where the draft vocabulary has no
+    token."""
+    h = rms_norm(prenorm, params["final_norm"], cfg.rms_norm_eps)
+    logits = _dot(h, params["lm_head"])
+    if "d2t" not in params:  # the full vocabulary, in order
+        return logits
+    out = jnp.full((logits.shape[0], target_vocab), -jnp.inf, jnp.float32)
+    return out.at[:, params["d2t"]].set(logits)
+
+
+def gather_hidden(h_pool: jax.Array, batch: ModelInput) -> jax.Array:
+    """The target's captured hidden state at each token's position (the head's positions are
+    the target's), read from ``h_pool`` [blocks, block_size, 3·Ht] through the page table;
+    padding tokens read the null block."""
+    md = batch.attn
+    num_tokens = batch.input_ids.shape[0]
+    block_size = h_pool.shape[1]
+    valid = jnp.arange(num_tokens) < md.cu_q_lens[-1]
+    seq = token_sequence_ids(md.cu_q_lens, num_tokens)
+    page = jnp.clip(md.positions // block_size, 0, md.page_table.shape[1] - 1)
+    blocks = jnp.where(valid, md.page_table[seq, page], 0)
+    return h_pool[blocks, md.positions % block_size]
+
+
+def eagle_forward(params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInput, *,
+                  cfg: ModelConfig, attention_fn, target_vocab: int,
+                  norm_before_residual: bool = False):
+    """The head over a ragged flat batch (``transformer.forward``'s conventions: new K/V
+    written through the page table, then attention over the pool; padding tokens write to the
+    null block). ``hidden`` [T, H]: each token's hidden state (fused target states, or the
+    head's own). Returns (logits [R, target vocabulary] float32, pre-norm hidden [R, H] at the
+    logits rows, kv)."""
+    md = batch.attn
+    num_tokens = batch.input_ids.shape[0]
+    block_size = kv.block_size
+    emb = params["embed"][batch.input_ids].astype(params["fc"].dtype)
+    cos, sin = rope_tables(md.positions, cfg)
+    valid = jnp.arange(num_tokens, dtype=jnp.int32) < md.cu_q_lens[-1]
+    seq = token_sequence_ids(md.cu_q_lens, num_tokens)
+    page = jnp.clip(md.positions // block_size, 0, md.page_table.shape[1] - 1)
+    blocks = jnp.where(valid, md.page_table[seq, page], 0)
+    offsets = jnp.where(valid, md.positions % block_size,
+                        jnp.arange(num_tokens, dtype=jnp.int32) % block_size)
+    pools = [kv.k, kv.v]
+
+    def attend(q, k, v):
+        pools[0] = segments.write_slots(pools[0], 0, blocks, offsets, k)
+        pools[1] = segments.write_slots(pools[1], 0, blocks, offsets, v)
+        return attention_fn(q, pools[0], pools[1], 0, md, sm_scale=cfg.head_dim ** -0.5,
+                            sliding_window=None)
+
+    prenorm = _layer(params, emb, hidden.astype(emb.dtype), cos, sin, attend, cfg=cfg,
+                     norm_before_residual=norm_before_residual)
+    rows = prenorm[batch.logits_indices]
+    return (draft_logits(params, rows, cfg, target_vocab), rows,
+            KVCache(pools[0], pools[1], kv.h))
+
+
+def eagle_dense(params: dict, tokens: jax.Array, target_hidden: jax.Array, *,
+                cfg: ModelConfig, target_vocab: int, num_draft: int = 0,
+                norm_before_residual: bool = False):
+    """The oracle, one sequence, no cache: ``tokens`` [N] and the target's captured hidden
+    states ``target_hidden`` [N - 1, 3·Ht] (position p's, for p < N - 1). Head position p takes
+    (token p + 1, target state p). Then ``num_draft`` greedy drafts: each appends the argmax
+    token at the next position with the head's own pre-norm state of the position before.
+    Returns (logits [N - 1 + num_draft, target vocabulary] of every position, drafted tokens)."""
+    tokens = jnp.asarray(tokens)
+    hidden = fuse_hidden(params, target_hidden)
+    inputs = tokens[1:]
+    drafted = []
+    for _ in range(num_draft + 1):
+        n = inputs.shape[0]
+        emb = params["embed"][inputs].astype(params["fc"].dtype)
+        cos, sin = rope_tables(jnp.arange(n), cfg)
+        prenorm = _layer(params, emb, hidden, cos, sin,
+                         lambda q, k, v: dense_attention(q, k, v, cfg), cfg=cfg,
+                         norm_before_residual=norm_before_residual)
+        logits = draft_logits(params, prenorm, cfg, target_vocab)
+        if len(drafted) == num_draft:
+            return logits, jnp.asarray(drafted, jnp.int32)
+        tok = jnp.argmax(logits[-1]).astype(jnp.int32)
+        drafted.append(tok)
+        inputs = jnp.concatenate([inputs, tok[None]])
+        # the drafted position's hidden state is the head's own output before it
+        hidden = jnp.concatenate([hidden, prenorm[-1:]], axis=0)
