@@ -19,6 +19,8 @@ COMMANDS = {
     "generate": ("jspec.cli_generate", "generate text with speculative decoding"),
     "train": ("jspec.cli_train", "train the target model (and tokenizer) on the stdlib corpus"),
     "distill": ("jspec.cli_train", "distil a draft model from a trained target"),
+    "train-eagle": ("jspec.cli_train", "train an EAGLE-3 draft head for a target on its own "
+                    "generations"),
     "profile": ("jspec.cli_profile", "measure a model pair's step times for cost-aware policies"),
     "validate-gpu": ("jspec.validate_gpu", "check a GPU machine: compiled kernel tests, kernel "
                      "benchmark, greedy output Pallas vs reference, serving sweep; JSON and "
@@ -35,6 +37,8 @@ BENCHMARKS = {
     "overhead": ("jspec.bench.overhead", "host-side overhead per engine step"),
     "step": ("jspec.bench.step", "engine step vs the bare target forward and draft loop, per "
              "stage, decode and prefill"),
+    "drafters": ("jspec.bench.drafters", "every drafter of a target side by side on held-out "
+                 "code: acceptance, draft cost, throughput at B = 1 and 32"),
     "pair": ("jspec.bench.pair", "acceptance and cost of a target/draft pair on held-out code"),
     "kernels": ("jspec.bench.kernels", "Pallas kernels vs references vs the bandwidth roofline"),
     "serving": ("jspec.bench.serving", "online serving: policies side by side on a workload "

@@ -1,5 +1,6 @@
-"""`jspec train` and `jspec distill`: train the built-in target / distil its draft on the stdlib
-corpus (see models/train.py for the recipe and models/corpus.py for the data and split).
+"""`jspec train`, `jspec distill` and `jspec train-eagle`: train the built-in target / distil its
+draft / train an EAGLE-3 head for it on the stdlib corpus (see models/train.py and
+models/eagle_train.py for the recipes and models/corpus.py for the data and split).
 
 `jspec train --out DIR` writes an HF checkpoint (weights, config, tokenizer) to DIR; the orbax
 training state lives in `--checkpoint-dir` (default `DIR.train-state`, outside the checkpoint),
@@ -44,9 +45,22 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    mode = "distill" if parser.prog.split()[-1] == "distill" else "train"
+    mode = parser.prog.split()[-1]
+    mode = mode if mode in ("distill", "train-eagle") else "train"
     parser.set_defaults(_train_mode=mode)
     _common(parser)
+    if mode == "train-eagle":
+        parser.add_argument("--target", required=True, help="target HF checkpoint directory")
+        parser.add_argument("--draft-vocab-size", type=int, default=2048,
+                            help="the head's vocabulary: the most frequent target tokens of "
+                                 "the training windows (at most the target's)")
+        parser.add_argument("--aux-layers", default=None,
+                            help="comma-separated target layers whose input the head reads "
+                                 "(default: EAGLE-3's low, middle and high layer)")
+        parser.add_argument("--depth", type=int, default=3,
+                            help="training-time test: passes unrolled per step (1: none)")
+        _self_generated_arguments(parser)
+        return
     if mode == "train":
         parser.add_argument("--tokenizer", default=None,
                             help="HF tokenizer directory (default: train one on the corpus)")
@@ -63,16 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--init", metavar="DIR", default=None,
                             help="start from this draft checkpoint instead of random weights "
                                  "(a second, self-generated distillation round)")
-        parser.add_argument("--self-generated", type=int, default=0, metavar="N",
-                            help="distil on N target completions of training-split prompts "
-                                 "mixed with corpus windows (jspec/self_distill.py); 0: corpus "
-                                 "only")
-        parser.add_argument("--self-max-tokens", type=int, default=96,
-                            help="tokens per self-generated completion")
-        parser.add_argument("--self-share", type=float, default=0.5,
-                            help="share of the training windows that are self-generated")
-        parser.add_argument("--self-batch", type=int, default=16,
-                            help="sequences the target completes at once")
+        _self_generated_arguments(parser)
+
+
+def _self_generated_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--self-generated", type=int, default=0, metavar="N",
+                        help="train on N target completions of training-split prompts mixed "
+                             "with corpus windows (jspec/self_distill.py); 0: corpus only")
+    parser.add_argument("--self-max-tokens", type=int, default=96,
+                        help="tokens per self-generated completion")
+    parser.add_argument("--self-share", type=float, default=0.5,
+                        help="share of the training windows that are self-generated")
+    parser.add_argument("--self-batch", type=int, default=16,
+                        help="sequences the target completes at once")
 
 
 def _load_corpus(args, tokenizer):
@@ -151,6 +168,8 @@ def run(args) -> int:
     os.makedirs(ckpt_dir, exist_ok=True)
     tok_dir = os.path.join(ckpt_dir, "tokenizer")
 
+    if args._train_mode == "train-eagle":
+        return _train_eagle(args, ckpt_dir)
     teacher = None
     if args._train_mode == "distill":
         tokenizer = load_tokenizer(args.target)
@@ -210,3 +229,67 @@ def run(args) -> int:
     export_hf(args.out, cfg, params, tokenizer, dtype=jnp.dtype(args.export_dtype))
     print(f"wrote {args.out}")
     return 0
+
+
+def _train_eagle(args, ckpt_dir: str) -> int:
+    """`jspec train-eagle`: the head trained on corpus windows mixed with the target's own
+    completions, written in the EAGLE-3 layout with its held-out agreement per depth."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec.models.eagle_checkpoint import save_eagle
+    from jspec.models.eagle_train import draft_vocabulary, head_config, init_head, train_head
+    from jspec.models.loader import load_checkpoint, load_tokenizer
+
+    if args.depth < 1:
+        raise ValueError(f"--depth must be >= 1, got {args.depth}")
+    tokenizer = load_tokenizer(args.target)
+    t_cfg, t_params = load_checkpoint(args.target, dtype=jnp.float32)
+    aux = None
+    if args.aux_layers:
+        try:
+            aux = tuple(int(x) for x in args.aux_layers.split(","))
+        except ValueError:
+            raise ValueError(f"--aux-layers takes comma-separated layer numbers, got "
+                             f"{args.aux_layers!r}") from None
+        bad = [a for a in aux if not 0 <= a < t_cfg.num_layers]
+        if bad:
+            raise ValueError(f"--aux-layers {bad} outside the target's {t_cfg.num_layers} layers")
+    if args.seq_len > t_cfg.max_position_embeddings:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the target's max positions "
+                         f"{t_cfg.max_position_embeddings}")
+    windows, held = _load_corpus(args, tokenizer)
+    if args.self_generated:
+        windows = _self_generated(args, windows, tokenizer, ckpt_dir)
+    vocab = min(args.draft_vocab_size, t_cfg.vocab_size)
+    d2t = draft_vocabulary(windows, vocab, t_cfg.vocab_size, tuple(t_cfg.eos_token_ids))
+    ecfg = head_config(t_cfg, vocab, aux)
+    params = init_head(ecfg, d2t, seed=args.seed)
+    n = sum(int(np.prod(a.shape)) for k, a in params.items() if k != "d2t"
+            for a in ([a] if not isinstance(a, dict) else a.values()))
+    covered = np.isin(windows, d2t).mean()
+    print(f"head: {n / 1e6:.2f}M params, reads target layers {ecfg.aux_layers}; draft "
+          f"vocabulary {vocab} tokens ({covered:.1%} of the training tokens); {args.steps} steps "
+          f"x {args.batch_size} x {args.seq_len} tokens, depth {args.depth}")
+    params, agree = train_head(t_cfg, t_params, ecfg, params, windows[:, :args.seq_len],
+                               steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                               warmup=args.warmup_steps, depth=args.depth, seed=args.seed,
+                               progress=not args.no_progress)
+    if len(held):
+        from jspec.models.eagle_train import held_out_agreement
+
+        agree = held_out_agreement(t_cfg, t_params, ecfg, params, held[:, :args.seq_len],
+                                   depth=args.depth)
+        print("held-out top-1 agreement with the target by depth: "
+              + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(agree)))
+    dtype = jnp.dtype(args.export_dtype)
+    out = {k: (v if k == "d2t" else jax_cast(v, dtype)) for k, v in params.items()}
+    save_eagle(args.out, ecfg, out, layout="eagle3")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def jax_cast(tree, dtype):
+    import jax
+
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype), tree)
