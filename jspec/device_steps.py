@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.special  # noqa: F401 - entr
 
 from jspec.sampler import (SamplingTensors, rejection_sample, row_uniforms, sample_draft_tokens,
                            sample_tokens)
@@ -199,7 +200,8 @@ def _draft_tokens(feed, logits0, carry0, kv, inputs: DraftInputs, st: SamplingTe
             zero = jnp.zeros((num_rows,), jnp.float32)
             return tokens, zero, zero, active & (k < gammas)
         logq = jax.nn.log_softmax(logits, axis=-1)
-        entropy = -(jnp.exp(logq) * logq).sum(-1)
+        # entr(0) = 0: an EAGLE head's tokens outside its vocabulary have q = 0 (log q = -inf)
+        entropy = jax.scipy.special.entr(jnp.exp(logq)).sum(-1)
         conf = jnp.exp(jnp.take_along_axis(logq, tokens[:, None], axis=-1)[:, 0])
         active = active & (k < gammas) & (cum_conf >= stop_confidence) & (entropy <= stop_entropy)
         return tokens, conf, entropy, active

@@ -58,8 +58,10 @@ def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> tuple[str, ..
                          f"{len(pool)} draft model(s) were given; give none, or name "
                          f"'draft_model' too (e.g. 'draft_model+{lookups[0]}')")
     if config.uses_draft_model and not pool:
-        raise ValueError(f"speculative_method {method!r} names a model, but no draft "
-                         f"model was given")
+        model = config.drafters[0]
+        what = "EAGLE head" if model == "eagle3" else "draft model"
+        raise ValueError(f"speculative_method {method!r} names {model!r}, but no {what} was "
+                         f"given")
     if config.elastic_memory:
         raise ValueError(f"elastic_memory offloads the draft model; it does not run beside "
                          f"a drafter without one (speculative_method {method!r})")

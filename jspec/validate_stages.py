@@ -53,7 +53,8 @@ PRESETS = {
                          "4096", "--prefill", "512", "--migrate-blocks", "512", "--layers", "24",
                          "--repeats", "5"],
         "greedy": {"kernel_backend": "pallas", "prompts": 4, "max_tokens": 48,
-                   "dtypes": ["float32", "bfloat16"], "drafters": "draft_model+ngram+suffix"},
+                   "dtypes": ["float32", "bfloat16"],
+                   "drafters": ["draft_model+ngram+suffix", "eagle3+ngram+suffix"]},
         "serving": {"shape": "qwen2.5-7b", "levels": [1, 8, 32], "policies": ["off",
                     "static:gamma=3"], "max_tokens": 64, "prompt_tokens": 32,
                     "acceptance": "default-pair"},
@@ -65,7 +66,8 @@ PRESETS = {
             "test_migration_in_bf16_is_exact"]},
         "kernel_bench": ["--small", "--interpret"],
         "greedy": {"kernel_backend": "interpret", "prompts": 1, "max_tokens": 8,
-                   "dtypes": ["float32", "bfloat16"], "drafters": "draft_model+ngram+suffix"},
+                   "dtypes": ["float32", "bfloat16"],
+                   "drafters": ["draft_model+ngram+suffix", "eagle3+ngram+suffix"]},
         "serving": {"shape": "tiny", "levels": [1, 4], "policies": ["off", "static:gamma=2"],
                     "max_tokens": 8, "prompt_tokens": 16, "acceptance": "default-pair"},
     },
@@ -261,8 +263,8 @@ def greedy(settings: dict, deadline: float, save: Callable[[dict], None]) -> dic
     so a flipped near-tie may change the text: the agreement is reported, and what must hold
     there is bfloat16's own lossless claim, speculative output equal to plain decoding's on the
     same kernel (README, "What lossless guarantees"). In float32 the preset's drafters (the
-    draft model and both lookups, chosen per row by `auto`) must give the reference's tokens too:
-    their one-hot and mixed verification run on the kernel."""
+    draft model, then the EAGLE head, each beside both lookups, chosen per row by `auto`) must
+    give the reference's tokens too: their one-hot and mixed verification run on the kernel."""
     cfg = settings["greedy"]
     kernel = cfg["kernel_backend"]
     prompts = list(GREEDY_PROMPTS[:cfg["prompts"]])
@@ -282,14 +284,14 @@ def greedy(settings: dict, deadline: float, save: Callable[[dict], None]) -> dic
         checks.append(check(f"{dtype}: {kernel} equals reference token for token", same, detail,
                             required=dtype == "float32"))
         save(judged("(running)", checks, numbers))  # a verdict survives a later timeout
-        if dtype == "float32" and cfg.get("drafters"):
-            # every drafter in one engine, chosen per row by `auto`: the one-hot and mixed
-            # verification paths on the kernel, lossless against the reference's tokens
-            mixed = run(f"{dtype} {kernel} {cfg['drafters']}", dtype, kernel, "auto",
-                        cfg["drafters"])
+        for drafters in cfg.get("drafters", []) if dtype == "float32" else []:
+            # the drafters in one engine, chosen per row by `auto`: the one-hot and mixed
+            # verification paths (and the EAGLE head's hidden states) on the kernel, lossless
+            # against the reference's tokens
+            mixed = run(f"{dtype} {kernel} {drafters}", dtype, kernel, "auto", drafters)
             same, detail = _compare(ref, mixed)
-            checks.append(check(f"{dtype}: {cfg['drafters']} (auto) on {kernel} equals "
-                                "reference", same, detail))
+            checks.append(check(f"{dtype}: {drafters} (auto) on {kernel} equals reference",
+                                same, detail))
             save(judged("(running)", checks, numbers))
         if dtype == "bfloat16":
             plain = run(f"{dtype} {kernel} plain", dtype, kernel, "off")

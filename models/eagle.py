@@ -73,8 +73,12 @@ def draft_logits(params: dict, prenorm: jax.Array, cfg: ModelConfig,
     logits = _dot(h, params["lm_head"])
     if "d2t" not in params:  # the full vocabulary, in order
         return logits
-    out = jnp.full((logits.shape[0], target_vocab), -jnp.inf, jnp.float32)
-    return out.at[:, params["d2t"]].set(logits)
+    # a gather through the inverse map, not a scatter of the logits: XLA:CPU fused the
+    # scatter with a bf16 dot into a kernel it cannot run (DotThunk: BF16 x BF16 = F32)
+    d2t = params["d2t"]
+    inverse = jnp.full((target_vocab,), -1, jnp.int32).at[d2t].set(
+        jnp.arange(d2t.shape[0], dtype=jnp.int32))
+    return jnp.where(inverse >= 0, logits[:, jnp.maximum(inverse, 0)], -jnp.inf)
 
 
 def gather_hidden(h_pool: jax.Array, batch: ModelInput) -> jax.Array:

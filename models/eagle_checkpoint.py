@@ -684,6 +684,19 @@ def _random_params(ecfg: EagleConfig, seed: int, dtype, std: float) -> dict:
     return params
 
 
+def layer_config_for(target: ModelConfig) -> ModelConfig:
+    """A head's decoder layer for ``target`` as EAGLE-3 builds it: a Llama layer of the
+    target's width, heads and MLP size (no biases), over the target's vocabulary."""
+    return ModelConfig(
+        model_type="llama", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        num_layers=1, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim, intermediate_size=target.intermediate_size,
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+        rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings,
+        bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids)
+
+
 def write_tiny_eagle(path: str | os.PathLike, target: ModelConfig, *, seed: int = 0,
                      draft_vocab_size: int | None = None, layout: str = "eagle3",
                      own_embed: bool = False, aux_layers: tuple[int, ...] | None = None,
@@ -710,13 +723,7 @@ def write_tiny_eagle(path: str | os.PathLike, target: ModelConfig, *, seed: int 
     if vd > vocab:
         raise ValueError(f"draft_vocab_size {vd} is larger than the target's vocabulary of "
                          f"{vocab}")
-    layer = ModelConfig(
-        model_type="llama", vocab_size=vocab, hidden_size=target.hidden_size, num_layers=1,
-        num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-        intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
-        max_position_embeddings=target.max_position_embeddings,
-        bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids)
+    layer = layer_config_for(target)
     aux = (default_aux_layers(target.num_layers) if aux_layers is None
            else tuple(_int_list(aux_layers, "aux_layers")))
     draft = EagleConfig(layer=layer, draft_vocab_size=vd, target_hidden_size=target.hidden_size,

@@ -20,7 +20,6 @@ rarely accepted anyway); ``d2t`` places them in the target's vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import jax
@@ -31,7 +30,7 @@ import optax
 from jspec.models.config import ModelConfig
 from jspec.models.corpus import get_batch
 from jspec.models.eagle import _layer, fuse_hidden
-from jspec.models.eagle_checkpoint import EagleConfig, default_aux_layers
+from jspec.models.eagle_checkpoint import EagleConfig, default_aux_layers, layer_config_for
 from jspec.models.transformer import dense_forward, rms_norm, rope_tables
 
 
@@ -40,8 +39,7 @@ def head_config(target: ModelConfig, draft_vocab_size: int,
     """A head shaped like one of ``target``'s layers (EAGLE-3's choice: the head is a target
     layer with a wider input)."""
     aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(target.num_layers)
-    layer = dataclasses.replace(target, num_layers=1, tie_word_embeddings=False)
-    return EagleConfig(layer=layer, draft_vocab_size=draft_vocab_size,
+    return EagleConfig(layer=layer_config_for(target), draft_vocab_size=draft_vocab_size,
                        target_hidden_size=target.hidden_size, aux_layers=aux, own_embed=False,
                        norm_before_residual=False, layout="eagle3")
 

@@ -166,18 +166,23 @@ def test_the_head_drafts_what_the_reference_formulas_give(repeating_target, trai
     ("static", {"num_kv_blocks": 14}),  # preemption and recompute
     ("rows", {}),  # beside a lookup, row by row
     ("auto", {}),
-], ids=["defaults", "sync-no-cache", "preemption", "with-ngram", "auto-with-ngram"])
+    ("adaedl", {}),  # drafts stop on the head's entropy, over its reduced vocabulary
+], ids=["defaults", "sync-no-cache", "preemption", "with-ngram", "auto-with-ngram", "adaedl"])
 def test_greedy_with_the_head_equals_target_only(repeating_target, repeating_reference,
                                                  trained_head, policy, overrides):
     head = trained_head[1]
-    if policy == "static":
-        pol, method = make_policy("static", 4, gamma=4), "draft_model"
+    if policy in ("static", "adaedl"):
+        pol = make_policy(policy, 4, **({"gamma": 4} if policy == "static" else {}))
+        method = "eagle3"
     else:
         pol = RowDrafters(4, (0, 1, -1)) if policy == "rows" else make_policy("auto", 4)
-        method = "draft_model+ngram"
+        method = "eagle3+ngram"
     engine = make_engine(repeating_target, head, pol, speculative_method=method, **overrides)
     compiled = engine.runner.num_compiled  # after the warm-up
+    records = []
+    engine.add_step_listener(records.append)
     outs = run_to_completion(engine, _prompts(), GREEDY)
+    assert all(np.isfinite(r.draft_entropy[~np.isnan(r.draft_entropy)]).all() for r in records)
     for i, ref in enumerate(repeating_reference):
         assert outs[str(i)].token_ids == ref, f"prompt {i}"
     assert engine.block_manager.num_used_blocks == 0
@@ -232,3 +237,39 @@ def test_llm_loads_a_head_from_its_directory(tiny_pair, tmp_path):
     with pytest.raises(ValueError, match="method 'eagle' is not supported"):
         LLM(target=target_dir, speculative_config={"method": "eagle",
                                                    "model": str(tmp_path / "head")})
+
+
+def test_prefix_cached_blocks_carry_the_targets_states_for_the_head(repeating_target,
+                                                                    trained_head):
+    """A request that reuses an earlier one's cached blocks skips their prefill, target and
+    head alike: the head drafts from the states those blocks hold, and greedy output is still
+    the target's alone."""
+    head = trained_head[1]
+    shared = _cycle_windows(1, 40, seed=5)[0].tolist()
+    prompts = [shared + [7, 8], shared + [100, 101, 102]]
+    reference = run_to_completion(make_engine(repeating_target, None), prompts, GREEDY)
+    engine = make_engine(repeating_target, head, make_policy("static", 4, gamma=4),
+                         speculative_method="eagle3")
+    for i, prompt in enumerate(prompts):  # one after the other: the second finds the first's
+        out = run_to_completion(engine, [prompt], GREEDY)["0"]
+        assert out.token_ids == reference[str(i)].token_ids, f"prompt {i}"
+    stats = engine.metrics.prefix_cache
+    assert stats.hits >= 32 and stats.draft_hits[0] >= 32, stats
+    assert engine.metrics.drafter_stats["eagle3"]["num_accepted_tokens"] > 0
+
+
+def test_a_head_drafts_in_bfloat16(repeating_target, trained_head):
+    """bf16 weights and KV (the CPU default): the head's draft-vocabulary logits placed in the
+    target's vocabulary compile and run beside the bf16 dots (a scatter fused with them did
+    not run on XLA:CPU)."""
+    def bf16(m):
+        params = jax.tree_util.tree_map(
+            lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, m.params)
+        return dataclasses.replace(m, params=params)
+
+    engine = make_engine(bf16(repeating_target), bf16(trained_head[1]),
+                         make_policy("static", 4, gamma=4), dtype="bfloat16",
+                         speculative_method="eagle3")
+    outs = run_to_completion(engine, _prompts()[:4], GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs.values())
+    assert engine.metrics.drafter_stats["eagle3"]["num_accepted_tokens"] > 0

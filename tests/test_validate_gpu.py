@@ -58,12 +58,14 @@ def test_every_stage_runs_on_cpu_and_is_reported(tmp_path):
     assert all(row["interpret"]["exact"] for row in bench["migration"])
     # (c) the kernels' greedy tokens equal the reference's, and plain decoding's in bf16
     runs = stages["greedy"]["numbers"]["runs"]
-    mixed = "float32 interpret draft_model+ngram+suffix"
-    assert set(runs) == {"float32 reference", "float32 interpret", mixed, "bfloat16 reference",
+    mixed = ["float32 interpret draft_model+ngram+suffix",
+             "float32 interpret eagle3+ngram+suffix"]
+    assert set(runs) == {"float32 reference", "float32 interpret", *mixed, "bfloat16 reference",
                          "bfloat16 interpret", "bfloat16 interpret plain"}
     assert runs["float32 interpret"]["tokens"] == runs["float32 reference"]["tokens"]
-    assert runs[mixed]["tokens"] == runs["float32 reference"]["tokens"]
-    assert sum(runs[mixed]["drafts_by_drafter"].values()) > 0
+    for name in mixed:  # the draft model's and the EAGLE head's, each beside the lookups
+        assert runs[name]["tokens"] == runs["float32 reference"]["tokens"], name
+        assert sum(runs[name]["drafts_by_drafter"].values()) > 0, name
     assert all(len(t) == 8 for run in runs.values() for t in run["tokens"])
     # (d) every level of the sweep ran both policies on the tiny synthetic shape
     sweep = stages["serving"]["numbers"]
