@@ -269,3 +269,30 @@ def test_distill_cli_on_self_generated_data(data, trained_target, tmp_path, caps
            "--out", str(tmp_path / "bad"), "--steps", "1", "--max-files", "1"]
     assert main(bad) == 2
     assert "is not a 'default' draft" in capsys.readouterr().err
+
+
+def test_train_eagle_cli_writes_a_head_the_engine_loads(data, trained_target, tmp_path,
+                                                        capsys):
+    """`jspec train-eagle`: a head for the target, written in the published EAGLE-3 layout with
+    its reduced vocabulary, which the loader reads back for that target; layers the target
+    does not have are refused before anything trains."""
+    import jax.numpy as jnp
+
+    from jspec.cli import main
+    from jspec.models.eagle_checkpoint import is_eagle_checkpoint, load_eagle
+    from jspec.models.train import export_hf
+
+    tok, _, _ = data
+    t_cfg, _, _, t_params = trained_target
+    target = export_hf(str(tmp_path / "target"), t_cfg, t_params, tok, dtype=jnp.float32)
+    argv = ["train-eagle", "--target", target, "--out", str(tmp_path / "head"), "--steps", "2",
+            "--batch-size", "2", "--seq-len", str(SEQ), "--max-files", "3", "--eval-windows",
+            "4", "--draft-vocab-size", "300", "--depth", "2", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "draft vocabulary 300 tokens" in out and "by depth: 1:" in out
+    assert is_eagle_checkpoint(tmp_path / "head")
+    ecfg, params = load_eagle(tmp_path / "head", t_cfg)
+    assert ecfg.draft_vocab_size == 300 and params["lm_head"].shape == (t_cfg.hidden_size, 300)
+    assert main([*argv, "--aux-layers", f"0,{t_cfg.num_layers}"]) == 2
+    assert "outside the target's" in capsys.readouterr().err
