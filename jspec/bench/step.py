@@ -34,16 +34,17 @@ import statistics
 import sys
 import time
 
+from jspec.config import LOOKUP_METHODS, SPECULATIVE_METHODS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target checkpoint (default: built-in pair)")
     p.add_argument("--draft", default=None, help="draft checkpoint")
-    from jspec.config import SPECULATIVE_METHODS
-
     p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
                    default="draft_model",
-                   help="what drafts: the draft model, or n-gram lookup or suffix decoding "
-                        "(no draft model; the lookup is the 'draft' column)")
+                   help="what drafts: the draft model, an EAGLE-3 head (--draft HEAD; the "
+                        "built-in target's without --target), or n-gram lookup or suffix "
+                        "decoding (no draft model; the lookup is the 'draft' column)")
     p.add_argument("--synthetic", metavar="SHAPE", default=None,
                    help="random-weight models of this shape instead (e.g. qwen2.5-0.5b)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch-sizes must be >= 1, --gammas >= 0, --steps >= 1")
     if args.context < 1:
         raise ValueError(f"--context must be >= 1, got {args.context}")
-    if args.speculative_method != "draft_model":
+    if args.speculative_method in LOOKUP_METHODS:
         if args.draft is not None:
             raise ValueError(f"--speculative-method {args.speculative_method} drafts by lookup "
                              f"and takes no --draft")
@@ -294,7 +295,7 @@ def _spread(p: dict[str, float]) -> str:
 
 
 def _describe(args) -> str:
-    lookup = args.speculative_method != "draft_model"
+    lookup = args.speculative_method in LOOKUP_METHODS
     if args.synthetic:
         return f"synthetic {args.synthetic} (random weights)" + (
             f", {args.speculative_method} lookup" if lookup else "")
