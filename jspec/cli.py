@@ -19,8 +19,8 @@ COMMANDS = {
     "generate": ("jspec.cli_generate", "generate text with speculative decoding"),
     "train": ("jspec.cli_train", "train the target model (and tokenizer) on the stdlib corpus"),
     "distill": ("jspec.cli_train", "distil a draft model from a trained target"),
-    "train-eagle": ("jspec.cli_train", "train an EAGLE-3 draft head for a target on its own "
-                    "generations"),
+    "train-eagle": ("jspec.cli_train", "train an EAGLE-3 draft head for a target (stdlib "
+                    "corpus, and the target's own completions with --self-generated)"),
     "profile": ("jspec.cli_profile", "measure a model pair's step times for cost-aware policies"),
     "validate-gpu": ("jspec.validate_gpu", "check a GPU machine: compiled kernel tests, kernel "
                      "benchmark, greedy output Pallas vs reference, serving sweep; JSON and "
