@@ -234,11 +234,13 @@ def run(args) -> int:
 def _train_eagle(args, ckpt_dir: str) -> int:
     """`jspec train-eagle`: the head trained on corpus windows mixed with the target's own
     completions, written in the EAGLE-3 layout with its held-out agreement per depth."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jspec.models.eagle_checkpoint import save_eagle
-    from jspec.models.eagle_train import draft_vocabulary, head_config, init_head, train_head
+    from jspec.models.eagle_train import (draft_vocabulary, head_config, held_out_agreement,
+                                          init_head, train_head)
     from jspec.models.loader import load_checkpoint, load_tokenizer
 
     if args.depth < 1:
@@ -265,8 +267,7 @@ def _train_eagle(args, ckpt_dir: str) -> int:
     d2t = draft_vocabulary(windows, vocab, t_cfg.vocab_size, tuple(t_cfg.eos_token_ids))
     ecfg = head_config(t_cfg, vocab, aux)
     params = init_head(ecfg, d2t, seed=args.seed)
-    n = sum(int(np.prod(a.shape)) for k, a in params.items() if k != "d2t"
-            for a in ([a] if not isinstance(a, dict) else a.values()))
+    n = sum(a.size for a in jax.tree_util.tree_leaves(params)) - params["d2t"].size
     covered = np.isin(windows, d2t).mean()
     print(f"head: {n / 1e6:.2f}M params, reads target layers {ecfg.aux_layers}; draft "
           f"vocabulary {vocab} tokens ({covered:.1%} of the training tokens); {args.steps} steps "
@@ -276,20 +277,13 @@ def _train_eagle(args, ckpt_dir: str) -> int:
                                warmup=args.warmup_steps, depth=args.depth, seed=args.seed,
                                progress=not args.no_progress)
     if len(held):
-        from jspec.models.eagle_train import held_out_agreement
-
         agree = held_out_agreement(t_cfg, t_params, ecfg, params, held[:, :args.seq_len],
                                    depth=args.depth)
         print("held-out top-1 agreement with the target by depth: "
               + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(agree)))
     dtype = jnp.dtype(args.export_dtype)
-    out = {k: (v if k == "d2t" else jax_cast(v, dtype)) for k, v in params.items()}
+    out = jax.tree_util.tree_map(lambda a: a if a.dtype == jnp.int32 else a.astype(dtype),
+                                 params)
     save_eagle(args.out, ecfg, out, layout="eagle3")
     print(f"wrote {args.out}")
     return 0
-
-
-def jax_cast(tree, dtype):
-    import jax
-
-    return jax.tree_util.tree_map(lambda a: a.astype(dtype), tree)

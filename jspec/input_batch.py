@@ -221,16 +221,17 @@ def intermediate_input(rows: list[RowWork], num_rows: int, gamma: int, table: np
     return batch, draft_slots
 
 
-def catch_up_segments(rows: list[RowWork], model: int = 0
-                      ) -> list[tuple[Sequence, int, int, int]]:
+def catch_up_segments(rows: list[RowWork], model: int = 0, max_lag: int = MAX_PENDING,
+                      first_token: int = 0) -> list[tuple[Sequence, int, int, int]]:
     """(seq, row index, first, end) of tokens pool model ``model`` must be fed before it runs:
-    everything but the newest token, for drafting rows whose ``model`` KV lags by more than 2
-    tokens."""
+    everything but the newest token, for drafting rows whose ``model`` KV lags by more than
+    ``max_lag`` tokens (what the draft loop's first forward takes). ``first_token``: the first
+    token the model ever takes (an EAGLE head's is 1: token t goes at position t - 1)."""
     segments = []
     for i, row in enumerate(rows):
         seq = row.seq
-        computed = seq.draft_computed[model]
-        if row.gamma_planned > 0 and seq.num_tokens - computed > MAX_PENDING:
+        computed = max(seq.draft_computed[model], first_token)
+        if row.gamma_planned > 0 and seq.num_tokens - computed > max_lag:
             segments.append((seq, i, computed, seq.num_tokens - 1))
     return segments
 

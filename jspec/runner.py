@@ -215,11 +215,9 @@ class ModelRunner:
                                  if rc.num_extension_blocks else None)
         # an EAGLE head drafts from the target's hidden states: the target's forwards write
         # them into its pool (KVCache.h) for the layers the head reads
+        # (engine_setup.check_pool refuses a head beside tensor parallelism or elastic memory)
         heads = [m.eagle for m in self.pool if m.eagle is not None]
         self.aux_layers: tuple[int, ...] = tuple(heads[0].aux_layers) if heads else ()
-        if heads and (self.mesh is not None or self.extension_layout is not None):
-            raise ValueError("an EAGLE head drafts with neither tensor parallelism nor elastic "
-                             "memory yet")
         # each kernel's backend, judged at every shape this runner runs it at
         self.kernels = kernel_backend.select(rc.engine.kernel_backend, self._kernel_shapes())
         self.kernel_backend = str(self.kernels)

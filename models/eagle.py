@@ -27,10 +27,9 @@ import jax.numpy as jnp
 
 from jspec.models.config import ModelConfig
 from jspec.models.transformer import KVCache, ModelInput, apply_rope, dense_attention, \
-    rms_norm, rope_tables
+    rms_norm, rope_tables, token_slots
 from jspec.kernels import segments
 from jspec.kernels.precision import dot_precision
-from jspec.kernels.ragged_paged_attention import token_sequence_ids
 
 
 def _dot(x, w):
@@ -85,14 +84,8 @@ def gather_hidden(h_pool: jax.Array, batch: ModelInput) -> jax.Array:
     """The target's captured hidden state at each token's position (the head's positions are
     the target's), read from ``h_pool`` [blocks, block_size, 3·Ht] through the page table;
     padding tokens read the null block."""
-    md = batch.attn
-    num_tokens = batch.input_ids.shape[0]
-    block_size = h_pool.shape[1]
-    valid = jnp.arange(num_tokens) < md.cu_q_lens[-1]
-    seq = token_sequence_ids(md.cu_q_lens, num_tokens)
-    page = jnp.clip(md.positions // block_size, 0, md.page_table.shape[1] - 1)
-    blocks = jnp.where(valid, md.page_table[seq, page], 0)
-    return h_pool[blocks, md.positions % block_size]
+    blocks, offsets = token_slots(batch.attn, batch.input_ids.shape[0], h_pool.shape[1])
+    return h_pool[blocks, offsets]
 
 
 def eagle_forward(params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInput, *,
@@ -105,15 +98,9 @@ def eagle_forward(params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInpu
     logits rows, kv)."""
     md = batch.attn
     num_tokens = batch.input_ids.shape[0]
-    block_size = kv.block_size
     emb = params["embed"][batch.input_ids].astype(params["fc"].dtype)
     cos, sin = rope_tables(md.positions, cfg)
-    valid = jnp.arange(num_tokens, dtype=jnp.int32) < md.cu_q_lens[-1]
-    seq = token_sequence_ids(md.cu_q_lens, num_tokens)
-    page = jnp.clip(md.positions // block_size, 0, md.page_table.shape[1] - 1)
-    blocks = jnp.where(valid, md.page_table[seq, page], 0)
-    offsets = jnp.where(valid, md.positions % block_size,
-                        jnp.arange(num_tokens, dtype=jnp.int32) % block_size)
+    blocks, offsets = token_slots(md, num_tokens, kv.block_size)
     pools = [kv.k, kv.v]
 
     def attend(q, k, v):

@@ -230,6 +230,19 @@ def forward(
                          out_specs=out_specs, check_vma=False)(params, kv, batch)
 
 
+def token_slots(md: AttentionMetadata, num_tokens: int, block_size: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """(block, offset) [T] of every flat token's position in a paged pool, through the page
+    table; padding tokens (past ``cu_q_lens[-1]``) go to the null block."""
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    valid = token_idx < md.cu_q_lens[-1]
+    token_seq = token_sequence_ids(md.cu_q_lens, num_tokens)
+    page = jnp.clip(md.positions // block_size, 0, md.page_table.shape[1] - 1)
+    blocks = jnp.where(valid, md.page_table[token_seq, page], 0)
+    offsets = jnp.where(valid, md.positions % block_size, token_idx % block_size)
+    return blocks, offsets
+
+
 def _embed(params: dict, ids: jax.Array, axis: str | None) -> jax.Array:
     table = params["embed"]
     if axis is None:
@@ -258,13 +271,7 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
     x = _embed(params, batch.input_ids, axis if vocab_split else None)
     cos, sin = rope_tables(md.positions, cfg)
 
-    # Slot of every new token in the pool; padding tokens go to the null block.
-    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
-    valid = token_idx < md.cu_q_lens[-1]
-    token_seq = token_sequence_ids(md.cu_q_lens, num_tokens)
-    page = jnp.clip(md.positions // block_size, 0, md.page_table.shape[1] - 1)
-    blocks = jnp.where(valid, md.page_table[token_seq, page], 0)
-    offsets = jnp.where(valid, md.positions % block_size, token_idx % block_size)
+    blocks, offsets = token_slots(md, num_tokens, block_size)
     sm_scale = cfg.head_dim ** -0.5
     reduce = None if axis is None else functools.partial(jax.lax.psum, axis_name=axis)
 

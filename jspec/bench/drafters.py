@@ -93,9 +93,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("with --target, give --draft and --head for the drafters that need "
                          "them (or leave them out of --drafters)")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    target = args.target or default_pair()[0]
-    models = {"draft_model": args.draft or default_pair()[1],
-              "eagle3": args.head or default_head()}
+    pair = default_pair() if args.target is None else (args.target, args.draft)
+    target = pair[0]
+    # only the models the compared drafters need (the built-in head is built or checked here)
+    models = {}
+    if "draft_model" in drafters:
+        models["draft_model"] = args.draft or pair[1]
+    if "eagle3" in drafters:
+        models["eagle3"] = args.head or default_head()
     prompts = heldout_function_prompts(args.num_prompts)
     results = []
     for batch in batches:

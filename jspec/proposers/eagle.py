@@ -31,17 +31,9 @@ class EagleProposer(DraftModelProposer):
 
     name = "eagle3"
 
-    def _taken(self, seq) -> int:
-        return max(seq.draft_computed[self.model], 1)
-
     def catch_up(self, st) -> int:
-        width = self.runner.eagle_first_width
-        segments = []
-        for i, row in enumerate(st.rows):
-            seq = row.seq
-            if row.gamma_planned > 0 and seq.num_tokens - self._taken(seq) > width:
-                # everything but the newest token, which the first draft forward takes
-                segments.append((seq, i, self._taken(seq), seq.num_tokens - 1))
+        segments = ib.catch_up_segments(st.rows, self.model, self.runner.eagle_first_width,
+                                        first_token=1)
         return feed_segments(self.runner, st.table, self.model, segments, _catch_up_input)
 
     def _first_input(self, st):
