@@ -121,8 +121,9 @@ class DSDEPolicy(Policy):
     ``sl_min`` (default min(2, max_gamma), the paper's 2; with the gate, the floor it prefers),
     ``delta`` (weight decay δ, 0.85), ``short_window``/``long_window`` (10/30 KLs), ``eps`` (ε of eq. 1, 1e-6), ``batch_cap``
     (apply SL_cap, default True; False is the paper's "No Cap" ablation), ``gate`` (default
-    True: the floor of eq. 8 chosen per step by predicted goodput, plain decoding included,
-    policies/goodput_gate.py; False: the paper's DSDE, which always speculates at least SL_min).
+    True: the floor of eq. 8, or one length below SL_max for every row, chosen per step by
+    predicted goodput, plain decoding included, policies/goodput_gate.py; False: the paper's
+    DSDE, which always speculates at least SL_min).
     """
 
     name = "dsde"
@@ -206,8 +207,13 @@ class DSDEPolicy(Policy):
             return DraftPlan(gammas=paper)
         # the paper's floor first: another wins only where it is predicted strictly better
         floors = [f for f in range(self.max_gamma + 1) if f != self.sl_min]
-        return self.gate.choose(view, [paper] + [
-            self._gammas(penalties, f, max(self.sl_max, float(f))) for f in floors])
+        candidates = [paper] + [self._gammas(penalties, f, max(self.sl_max, float(f)))
+                                for f in floors]
+        # and a top below SL_max, with the floor raised to it: one short length for every row,
+        # the plan no range up to SL_max yields (module docstring of policies/goodput_gate.py)
+        candidates += [np.full(n, top, np.int32) for top in range(1, self.max_gamma + 1)
+                       if top < self.sl_max]
+        return self.gate.choose(view, candidates)
 
     def set_profile(self, profile: Any) -> None:
         super().set_profile(profile)

@@ -261,21 +261,6 @@ def test_a_stale_profile_yields_to_the_runs_measurements(policy):
     assert trusting.max() < 0.9, trusting
 
 
-def test_a_gate_shut_on_a_few_bad_requests_opens_again():
-    """On this seed two badly drafting requests at B = 2 pulled the gate's acceptance rate to
-    0.27 and shut it; with nothing verified the rate and its bound never moved, and DSDE decoded
-    plainly through the rest of the run, the last phase (B = 2, where γ = 3-4 is best)
-    included. The evidence now ages while the gate is shut (DSD's ``idle_decay``)."""
-    env = ENVIRONMENTS["load-step"]
-    last = {}
-    for decay in (0.0, 0.002):
-        policy = make_policy("dsde", env.max_gamma)
-        policy.gate._model.idle_decay = decay
-        rec = run_policy(env, policy, 16, 100.0).records
-        last[decay] = float(np.mean(rec["gamma"][rec["phase"] == 2] > 0))
-    assert last[0.0] == 0.0 and last[0.002] > 0.8, last
-
-
 def test_dsde_without_its_gate_speculates_where_speculation_loses():
     """The paper's DSDE drafts at least SL_min = 2 whatever a token costs; the goodput gate
     (policies/goodput_gate.py) is what holds it to 0.95 in saturation-no-pay."""
@@ -314,3 +299,13 @@ def test_contention_slows_steps_in_spells():
     # spells last tens of steps: the state changes at few steps
     changes = np.count_nonzero(in_spell[1:] != in_spell[:-1])
     assert changes < len(in_spell) / 10
+
+
+def test_dsde_plays_one_short_length_where_it_is_best():
+    """At B = 32 on a compute-bound target (load-step's middle phase) γ = 1 for every row is the
+    best arm, and no DSDE range up to SL_max yields it: the gate chooses it among the tops below
+    SL_max that DSDE offers beside its floors (policies/goodput_gate.py)."""
+    env = ENVIRONMENTS["load-step"]
+    rec = run_policy(env, make_policy("dsde", env.max_gamma), 100, 100.0).records
+    middle = rec["phase"] == 1
+    assert np.mean(rec["gamma"][middle] == 1.0) > 0.5
