@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import make_engine, run_to_completion
-from jspec.bench.step import measure_decode, measure_prefill
+from jspec.bench.step import measure_decode, measure_prefill, measure_sustained
 from jspec.sampling_params import SamplingParams
 from jspec.policies import make_policy
 from jspec.step_state import STAGES
@@ -45,6 +45,16 @@ def test_measure_decode_times_the_lookup_as_the_draft(engine_models):
     row = measure_decode(engine, batch=3, context=10, steps=3)
     assert row["gamma"] == 4 and row["draft_ms"] > 0
     assert engine.metrics.catch_up_tokens == 0  # nothing to catch up: no draft model
+
+
+def test_a_sustained_loop_replaces_finished_sequences_and_leaves_none(static_engine):
+    engine = static_engine
+    context = engine.limits.max_model_len - 12  # 11 tokens of room: a sequence ends quickly
+    r = measure_sustained(engine, batch=2, context=context, seconds=1.5)
+    assert r["sequences"] > 2 and r["steps"] > 3 and r["seconds"] == 1.5  # replaced as they end
+    assert 0 < r["step_ms"]["p10"] <= r["step_ms"]["p50"] <= r["step_ms"]["p90"]
+    assert 0.0 <= r["slow_share"] <= 1.0
+    assert not engine.has_unfinished_requests()
 
 
 def test_measure_prefill_counts_the_engine_chunks(static_engine):

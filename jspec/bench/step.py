@@ -21,6 +21,12 @@ sequence past its prompt) and the benchmark prints, per step:
   synced (``LLMEngine.time_stages``, which also commits every step before the next), so the
   verify forward, sampling/acceptance and signals are told apart.
 
+With ``--loop-seconds S`` each (B, γ) also decodes back to back for S seconds (a finished
+sequence replaced by a new one) and reports the steps' p10 / median / p90 and the share of seconds
+spent in slow spells: seconds whose median step is over ``SPELL_RATIO`` × the median of the
+fastest tenth of seconds. On a shared 2-vCPU machine the same step sometimes runs at 2-2.5× its
+time for seconds on end (docs/benchmarks.md, "Slow spells"), which 20 steps rarely catch.
+
 Then prefill: one request per prompt length, the engine's time to its first token against the
 bare forward over the same chunks. Everything runs in this one process; ``--trace DIR`` records
 the measured decode steps with the JAX profiler (open it in Perfetto or TensorBoard).
@@ -52,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=128,
                    help="prompt tokens per sequence before decoding starts (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="measured steps per point")
+    p.add_argument("--loop-seconds", type=float, default=0.0, metavar="S",
+                   help="also decode each point back to back for S seconds and report the "
+                        "share of seconds in slow spells (default 0: off)")
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[256, 1024],
                    help="prompt lengths for the prefill rows (clipped to the context limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
@@ -185,6 +194,53 @@ def measure_decode(engine, batch: int, context: int, steps: int, trace: str | No
             "stage_share": {k: v / total for k, v in stage.items()}}
 
 
+SPELL_RATIO = 1.6  # a second this much slower than the fastest seconds is in a slow spell
+
+
+def measure_sustained(engine, batch: int, context: int, seconds: float) -> dict:
+    """``batch`` sequences decoding back to back for ``seconds``, each replaced by a new one
+    (random ``context``-token prompt) when it reaches the model's length: the steps'
+    percentiles and the share of seconds in slow spells (module docstring)."""
+    import numpy as np
+
+    from jspec.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(batch)
+    vocab = engine.target.cfg.vocab_size
+    room = engine.limits.max_model_len - context - 1
+    sp = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
+    added = 0
+
+    def top_up():
+        nonlocal added
+        while engine.num_unfinished_requests < batch:
+            engine.add_request(f"sustained-b{batch}-{added}",
+                               rng.integers(10, vocab, context).tolist(), sp)
+            added += 1
+
+    top_up()
+    for _ in range(5):  # admit the prompts before timing
+        engine.step()
+    starts, times = [], []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        top_up()
+        t = time.perf_counter()
+        engine.step()
+        starts.append(t)
+        times.append(time.perf_counter() - t)
+    engine.abort_request([f"sustained-b{batch}-{i}" for i in range(added)])
+    engine.step()  # deliver the aborts
+    starts = np.asarray(starts) - starts[0]
+    times = np.asarray(times)
+    second = starts.astype(np.int64)
+    medians = np.array([np.median(times[second == k]) for k in np.unique(second)])
+    fast = np.median(np.sort(medians)[:max(1, len(medians) // 10)])
+    return {"seconds": float(seconds), "steps": int(len(times)), "sequences": added,
+            "step_ms": percentiles_ms(list(times)),
+            "slow_share": float(np.mean(medians > SPELL_RATIO * fast))}
+
+
 def percentiles_ms(seconds: list[float]) -> dict[str, float]:
     """p10, median and p90 of a list of durations, in milliseconds."""
     import numpy as np
@@ -227,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
 
     if min(args.batch_sizes) < 1 or min(args.gammas) < 0 or args.steps < 1:
         raise ValueError("--batch-sizes must be >= 1, --gammas >= 0, --steps >= 1")
+    if args.loop_seconds < 0:
+        raise ValueError(f"--loop-seconds must be >= 0, got {args.loop_seconds}")
     if args.context < 1:
         raise ValueError(f"--context must be >= 1, got {args.context}")
     if args.speculative_method in LOOKUP_METHODS:
@@ -261,6 +319,9 @@ def run(args: argparse.Namespace) -> int:
             trace = (f"{args.trace}/B{batch}-g{gamma}" if args.trace else None)
             row = measure_decode(engine, batch, args.context, args.steps, trace)
             row["gamma"] = gamma
+            if args.loop_seconds > 0:
+                row["sustained"] = measure_sustained(engine, batch, args.context,
+                                                     args.loop_seconds)
             rows.append(row)
             shares = " ".join(f"{k} {100 * v:.0f}%" for k, v in row["stage_share"].items()
                               if v >= 0.005)
@@ -269,6 +330,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['overhead']:>16.2f} {_spread(row['loop_step_ms']):>21} "
                   f"{_spread(row['loop_forward_ms']):>21} {row['loop_overhead']:>16.2f}   "
                   f"{shares}", flush=True)
+            if "sustained" in row:
+                sus = row["sustained"]
+                print(f"        sustained {sus['seconds']:.0f} s: {sus['steps']} steps, ms "
+                      f"p10/p50/p90 {_spread(sus['step_ms'])}, "
+                      f"{100 * sus['slow_share']:.0f}% of seconds in slow spells", flush=True)
     prefill = []
     if args.prefill_lens:
         engine = engines[args.gammas[0]]
