@@ -47,6 +47,16 @@ the rule is compiled into a draft length and a per-sequence confidence threshold
   forward over all n sequences even when fewer are still drafting: both are approximations that
   select() repairs with the real confidences.
 
+  The price of a token (``stop_price``, default ``draft``): this engine verifies every row of a
+  step at the plan's γ bucket ((b)), so a token one row stops short of saves none of the
+  target's time, only the draft forwards once every row has stopped: τ = the draft's forward
+  over the n rows, (T_draft(γ*) − T_draft(1))/((γ* − 1)·n). Priced with the target's cost per
+  verify token as well (``stop_price=paper``, τ as above), rows stopped at tokens that cost
+  nothing to verify. In the simulator (worst of 20 seeds, verifier off) the draft price moved
+  saturation-pays 0.993 → 1.005, prefill-bursts 1.107 → 1.140, the rest within 0.005; at
+  saturation on the built-in pair one round with the paper's price gave 0.868× static γ = 4,
+  two with the draft's 0.859× and 0.972× (docs/benchmarks.md).
+
 (b) Confidence-prior verifier, select() (Alg. 2): after drafting, remove draft tokens in ascending
 order of c_{i,j} while E rises. A token can only go after every token behind it in its request,
 so the candidates are the requests' LAST KEPT tokens (a heap of tails; re-pushing a request's new
@@ -57,6 +67,18 @@ ends when a removal no longer raises E or nothing is left. One exception: while 
 breaks the SLO (E = −1) removing a token leaves E at −1, which is no rise, yet fewer tokens are
 the only way back under the SLO, so removal goes on until the SLO holds (or nothing is left; with
 nothing speculated the SLO rule no longer applies).
+
+Off by default (``verifier``): Alg. 2 prices the kept tokens as a ragged verify, q = 1 + Σγ_i/B,
+so each removal saves its token's share of the target's forward. This engine verifies every row
+of a step at the γ bucket it compiled for the plan (``ResolvedConfig.verify_tokens``; only
+lookups' drafts go ragged), so a removal saves no time and only loses the token's chance of
+acceptance: priced at the step's real width, E never rises and Alg. 2 keeps everything, at the
+price of a host sync between draft and verify that also ends asynchronous scheduling's
+overlap. Run with the paper's ragged price, the verifier trimmed the built-in pair's drafts to
+an acceptance of 0.95 at saturation (0.64-0.66× static γ = 4 on the built-in pair, against 0.87×
+without it in the same run) and to 0.948× the best fixed arm after a load step in the simulator
+(0.995 without; docs/benchmarks.md, "Policies in a simulated environment").
+``verifier=true`` runs it as published.
 
 (c) c̄ is the running mean of the per-token confidences q(x_j) of verified tokens
 (outcome.confidence, NaN where not verified). Verified tokens are the ones select() kept, a
@@ -113,9 +135,9 @@ steps instead, and the plan is γ = 0 (as DSD's, policies/dsd.py).
 
 Options: ``profile`` (path or StepProfile; default: the one the engine measures at start-up,
 jspec/autoprofile.py), ``tpot_slo`` (seconds, None = no SLO),
-``confidence_prior`` (c̄ before anything was observed, 0.6), ``verifier`` (True; False skips
-select() and its host sync: the paper's AdaSpec− ablation, drafter only), ``calibrate``,
-``probe_tokens``, ``confidence_z`` ((d)), ``measured`` (True: once the run's own steps tell
+``confidence_prior`` (c̄ before anything was observed, 0.6), ``verifier`` (False: no select()
+and no host sync, the paper's AdaSpec− ablation; True: Alg. 2 as published, (b)), ``calibrate``,
+``probe_tokens``, ``confidence_z`` ((d)), ``stop_price`` ((a)), ``measured`` (True: once the run's own steps tell
 the target's cost per token from its fixed cost, its linear time model replaces the profile's,
 policies/measured_time.py; False: the profile throughout, as the paper's offline fit).
 """
@@ -132,6 +154,7 @@ from jspec.policies.base import (BatchView, DraftPlan, DraftStats, Policy, StepO
 from jspec.policies.measured_time import MeasuredTime
 from jspec.policies.profile import StepProfile, load_profile
 
+STOP_PRICES = ("draft", "paper")  # the ``stop_price`` option's values
 _KAPPA_PSEUDO = 4.0  # judged tokens of evidence the calibration prior κ = 1 is worth
 
 
@@ -157,8 +180,8 @@ class AdaSpecPolicy(Policy):
 
     def __init__(self, max_gamma: int = 4, profile: "str | StepProfile | None" = None,
                  tpot_slo: float | None = None, confidence_prior: float = 0.6,
-                 verifier: bool = True, calibrate: bool = True, probe_tokens: int = 16,
-                 confidence_z: float = 2.0, measured: bool = True):
+                 verifier: bool = False, calibrate: bool = True, probe_tokens: int = 16,
+                 confidence_z: float = 2.0, measured: bool = True, stop_price: str = "draft"):
         super().__init__(max_gamma)
         self.profile = load_profile(self.name, profile)
         self.measured = option_bool(self.name, "measured", measured)
@@ -177,6 +200,10 @@ class AdaSpecPolicy(Policy):
         if not isinstance(verifier, bool):
             raise ValueError(f"verifier must be true or false, got {verifier!r}")
         self.verifier = verifier
+        if stop_price not in STOP_PRICES:
+            raise ValueError(f"stop_price must be one of {', '.join(STOP_PRICES)}, "
+                             f"got {stop_price!r}")
+        self.stop_price = stop_price
         self.calibrate = option_bool(self.name, "calibrate", calibrate)
         if isinstance(probe_tokens, bool) or not isinstance(probe_tokens, int) or probe_tokens < 0:
             raise ValueError(f"probe_tokens must be an integer >= 0, got {probe_tokens!r}")
@@ -297,8 +324,11 @@ class AdaSpecPolicy(Policy):
         n = view.num_decode
         if gamma <= 1 or n == 0:
             return 0.0
-        tau = ((self.step_time(view, n * gamma, gamma) - self.step_time(view, n, 1))
-               / ((gamma - 1) * n))
+        if self.stop_price == "paper":
+            tau = ((self.step_time(view, n * gamma, gamma) - self.step_time(view, n, 1))
+                   / ((gamma - 1) * n))
+        else:  # "draft": the draft forwards alone, shared by the n rows ((a), last paragraph)
+            tau = (self.draft_time(view, gamma) - self.draft_time(view, 1)) / ((gamma - 1) * n)
         kappa = self.calibration
         return max(tau, 0.0) * best / (self.predicted_confidence
                                        * max(kappa, kappa ** (gamma - 1)))

@@ -33,6 +33,8 @@ def _profile(target, draft) -> StepProfile:
 
 def _policy(name, target, draft):
     options = {"profile": _profile(target, draft)} if name in ("adaspec", "dsd") else {}
+    if name == "adaspec":  # its verifier trims verify lengths between draft and verify: the
+        options["verifier"] = True  # engine's one path through Policy.select
     if name == "adaedl":
         # the default λ = 0.4 stops at H* = 1.8 nats, below every draft entropy of these random
         # models (about 2.6 to 5 nats): nothing would be drafted and losslessness not tested.

@@ -30,6 +30,8 @@ def adaspec(**kw) -> AdaSpecPolicy:
     kw.setdefault("calibrate", False)
     kw.setdefault("probe_tokens", 0)
     kw.setdefault("confidence_z", 0.0)
+    kw.setdefault("verifier", True)
+    kw.setdefault("stop_price", "paper")
     kw.setdefault("profile", linear_profile())
     return AdaSpecPolicy(**kw)
 
@@ -413,8 +415,21 @@ def test_offloaded_draft_and_zero_gamma_plan_zeros(make):
 
 
 def test_verifier_switch():
-    assert adaspec().wants_select
+    assert adaspec().wants_select  # Alg. 2 as published
     assert not adaspec(verifier=False).wants_select
+    assert not AdaSpecPolicy(max_gamma=4).wants_select  # the default: a removal saves no time
+
+
+def test_the_default_stop_rule_prices_a_token_at_the_draft_forward_alone():
+    """The engine verifies every row at the plan's γ bucket: a row stopping early saves only
+    the draft's forwards, shared by the n rows. Hand profile: draft_step = 1, n = 2, so
+    τ = 1/2 where the paper's τ (draft and target) is 1.5."""
+    pol = adaspec(stop_price="draft")
+    plan = pol.plan(VIEW)
+    assert plan.gammas.tolist() == [2, 2]  # the plan itself is priced as before
+    assert plan.stop_confidence.tolist() == pytest.approx([0.5 * (3.92 / 18) / 0.6] * 2)
+    with pytest.raises(ValueError, match="stop_price"):
+        adaspec(stop_price="ragged")
 
 
 def test_state_dict_json_round_trip():
