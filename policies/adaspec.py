@@ -42,10 +42,10 @@ the rule is compiled into a draft length and a per-sequence confidence threshold
   confidences of the tokens before it is ≥ stop_confidence_i. A sequence whose real confidences
   equal c̄ drafts all γ* tokens (γ* was a rising step, so c̄^γ*/τ > E(γ*) = E*); one whose product
   drops below the threshold stops early: that is the "correct" step, with the real product in
-  place of the prediction. The token that dropped the product has been drafted already; select()
-  removes it if it does not pay. E* comes from the c̄ prediction, and τ amortises the draft
-  forward over all n sequences even when fewer are still drafting: both are approximations that
-  select() repairs with the real confidences.
+  place of the prediction. The token that dropped the product has been drafted already; with
+  ``verifier=true`` select() removes it if it does not pay. E* comes from the c̄ prediction, and
+  τ amortises the draft forward over all n sequences even when fewer are still drafting: both are
+  approximations that select() repairs with the real confidences.
 
   The price of a token (``stop_price``, default ``draft``): this engine verifies every row of a
   step at the plan's γ bucket ((b)), so a token one row stops short of saves none of the
@@ -137,9 +137,10 @@ Options: ``profile`` (path or StepProfile; default: the one the engine measures 
 jspec/autoprofile.py), ``tpot_slo`` (seconds, None = no SLO),
 ``confidence_prior`` (c̄ before anything was observed, 0.6), ``verifier`` (False: no select()
 and no host sync, the paper's AdaSpec− ablation; True: Alg. 2 as published, (b)), ``calibrate``,
-``probe_tokens``, ``confidence_z`` ((d)), ``stop_price`` ((a)), ``measured`` (True: once the run's own steps tell
-the target's cost per token from its fixed cost, its linear time model replaces the profile's,
-policies/measured_time.py; False: the profile throughout, as the paper's offline fit).
+``probe_tokens``, ``confidence_z`` ((d)), ``stop_price`` ((a)), ``measured`` (True: once the
+run's own steps tell the target's cost per token from its fixed cost, its linear time model
+replaces the profile's, policies/measured_time.py; False: the profile throughout, as the paper's
+offline fit).
 """
 
 from __future__ import annotations
@@ -318,7 +319,8 @@ class AdaSpecPolicy(Policy):
         return (peak_gamma, peak) if peak > best else (best_gamma, best)
 
     def stop_threshold(self, view: BatchView, gamma: int, best: float) -> float:
-        """stop_confidence = τ·E*/(c̄'·max(κ, κ^(γ*−1))) with τ = (T(γ*) − T(1))/((γ*−1)·n),
+        """stop_confidence = τ·E*/(c̄'·max(κ, κ^(γ*−1))), τ the price of a token
+        (``stop_price``: the draft's forwards, or the paper's (T(γ*) − T(1))/((γ*−1)·n)),
         c̄' the predicted confidence and κ the calibration (module docstring, (a), (d), (e));
         0 (no stop) for γ* = 1, where the only drafted token is never stopped."""
         n = view.num_decode
@@ -327,7 +329,7 @@ class AdaSpecPolicy(Policy):
         if self.stop_price == "paper":
             tau = ((self.step_time(view, n * gamma, gamma) - self.step_time(view, n, 1))
                    / ((gamma - 1) * n))
-        else:  # "draft": the draft forwards alone, shared by the n rows ((a), last paragraph)
+        else:  # the draft forwards alone, shared by the n rows ((a), last paragraph)
             tau = (self.draft_time(view, gamma) - self.draft_time(view, 1)) / ((gamma - 1) * n)
         kappa = self.calibration
         return max(tau, 0.0) * best / (self.predicted_confidence
