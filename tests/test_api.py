@@ -171,6 +171,22 @@ def test_no_prompt_count_compiles_after_the_warmup(tiny_llm):
     assert compile_events() == before, "a new prompt count compiled after the warm-up"
 
 
+def test_the_warmup_freezes_the_heap(tiny_pair):
+    """After the warm-up the engine and what it built (models, executables, tokenizer) are out
+    of the garbage collector's walks, so a full collection while serving does not walk them;
+    what is allocated afterwards is still collected."""
+    import gc
+
+    from jspec.llm import LLM
+
+    llm = LLM(*tiny_pair, use_tqdm=False, **LLM_KW)
+    tracked = {id(o) for o in gc.get_objects()}
+    assert gc.get_freeze_count() > 0
+    assert id(llm.engine) not in tracked and id(llm.engine.runner) not in tracked
+    later = [llm.engine]  # a container made after the warm-up
+    assert any(o is later for o in gc.get_objects())
+
+
 def test_warmup_progress_can_be_disabled(tiny_pair, tiny_llm, capsys):
     """LLM's warm-up shows its shape buckets on stderr unless use_tqdm=False (these shapes are
     the session's, compiled already by ``tiny_llm``)."""
