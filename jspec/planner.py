@@ -204,7 +204,7 @@ class Planner:
                  for r in decode_rows], np.int64),
             prefill_backlog_tokens=backlog_tokens,
             prefill_backlog_requests=backlog_requests,
-            lookup_lengths=self._survey(decode_rows),
+            **self._survey(decode_rows),
             verify_width=self._verify_width(len(decode_rows), st.num_prefill_tokens),
         )
 
@@ -222,10 +222,13 @@ class Planner:
 
         return width
 
-    def _survey(self, decode_rows) -> dict[int, np.ndarray]:
-        """What each lookup would draft for each decoding row, for a policy that reads it."""
+    def _survey(self, decode_rows) -> dict[str, dict[int, np.ndarray]]:
+        """What each lookup would draft for each decoding row, for a policy that reads it:
+        ``BatchView.lookup_lengths`` and ``lookup_probs``."""
         if not self.policy.reads_lookups or not decode_rows:
             return {}
         seqs = [r.seq for r in decode_rows]
-        return {i: self.spec.proposers[(i,)].survey(seqs, self.spec.max_gamma)
-                for i in self.policy.lookups if (i,) in self.spec.proposers}
+        surveys = {i: self.spec.proposers[(i,)].survey(seqs, self.spec.max_gamma)
+                   for i in self.policy.lookups if (i,) in self.spec.proposers}
+        return {"lookup_lengths": {i: s.lengths for i, s in surveys.items()},
+                "lookup_probs": {i: s.probs for i, s in surveys.items()}}

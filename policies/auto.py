@@ -93,8 +93,9 @@ class AutoPolicy(DSDPolicy):
             return lambda width, forwards: None
         a, b, c = beta if len(beta) == 3 else (*beta, 0.0)
 
-        def step_time(width: int, forwards: int) -> float:
-            return float(a + b * width + (c * forwards if with_model else 0.0))
+        def step_time(width, forwards):  # scalars or arrays of candidates
+            return a + b * np.asarray(width, np.float64) + (
+                c * np.asarray(forwards, np.float64) if with_model else 0.0)
 
         return step_time
 

@@ -63,9 +63,14 @@ class BatchView:
     # per lookup drafter (pool index): how many tokens it would draft now for each sequence,
     # at most Γmax; given to a policy that reads them (``Policy.reads_lookups``)
     lookup_lengths: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # per lookup drafter: [n, Γmax] its own estimate that the first j + 1 tokens of its draft
+    # are all accepted (suffix decoding's chained frequencies, SuffixDecoding §3.3), NaN past
+    # the draft or where the lookup has none (prompt lookup)
+    lookup_probs: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     # the engine's verify width: ``verify_width(gammas, g, model_drafts)`` is the padded tokens
     # of the target's pass if decoding row i verifies gammas[i] drafts at γ bucket g, the draft
-    # model drafting some of them (``model_drafts``) or only lookups; None: n x (1 + g)
+    # model drafting some of them (``model_drafts``) or only lookups; None: n x (1 + g). It
+    # reads the drafts through their sum (the step's n + Σ gammas tokens)
     verify_width: Any = None
 
     @property

@@ -20,7 +20,14 @@ where L_{i,d} is how many tokens lookup d would draft for sequence i now (the pl
 the lookups before the plan: ``BatchView.lookup_lengths``; a lookup drafts only what it finds)
 and α_{i,d} the sequence's acceptance rate of drafter d: its own judged tokens (accepted /
 judged, as DSD counts them) shrunk towards the drafter's rate over all sequences, so a sequence
-with little evidence starts from the drafter's record. The plan is the (g, f ≤ g) of greatest
+with little evidence starts from the drafter's record. A lookup that estimates its own draft
+(suffix decoding's chained frequencies P_{i,j} that the first j tokens are all accepted,
+SuffixDecoding §3.3, ``BatchView.lookup_probs``) is predicted by that estimate instead,
+calibrated: Σ_{j=0..L} min(1, κ_d·P_{i,j}) with P_{i,0} = 1 and κ_d the drafter's accepted
+tokens per predicted one (decayed, shrunk towards 1). The estimate reads the sequence's
+context now: a sequence whose output turns repetitive drafts long at once, where the per-
+sequence rate would follow only after several steps (or never, once another drafter took the
+row). The plan is the (g, f ≤ g) of greatest
 Σ_i E_i / T, γ = 0 included (every row plain: n / T(0, 0)): the draft model may draft fewer
 tokens than the lookups beside it, whose drafts cost only their verification. A row the draft
 model has not followed (its KV lags after steps drafted by a lookup or not at all) must be
@@ -51,6 +58,7 @@ _REQUEST_DECAY = 0.8  # weight of a sequence's older evidence per step it drafte
 _EMA = 0.1  # the drafter-wide rate's update per step (DSD's)
 _MAX_REQUESTS = 4096  # sequences remembered; the oldest are dropped beyond
 _CATCH_UP_DECAY = 0.95  # weight of older catch-ups, per step that caught up
+_CALIBRATION_DECAY = 0.98  # weight of a lookup's older estimates, per row judged with one
 
 
 class DrafterChoice:
@@ -66,6 +74,10 @@ class DrafterChoice:
         self.seqs: dict[str, dict[int, list[float]]] = {}
         self._explore = 0  # plans made before steps could be priced
         self._catch_up = [0.0, 0.0]  # decayed Σ catch-up seconds, Σ tokens caught up
+        # lookup -> decayed Σ accepted, Σ predicted tokens of its rows drafted with estimates
+        self._calibration: dict[int, tuple[float, float]] = {}
+        # request -> (lookup, its estimates) of the rows the last plan gave a scored lookup
+        self._predicted: dict[str, tuple[int, np.ndarray]] = {}
 
     def drafter_rate(self, d: int) -> float:
         """Drafter ``d``'s rate at its upper confidence bound, at most 1."""
@@ -87,8 +99,9 @@ class DrafterChoice:
         """The plan of greatest predicted goodput. ``model``: the draft model's pool index
         (None: none, or away); ``buckets``: the drafting γ buckets; ``step_time(w, f)`` ->
         seconds of a step whose verify is w tokens wide and in which the draft model runs f
-        forwards (0: it does not run), or None while the run cannot price steps yet (then the
-        longest bucket, the draft model running every other step, to learn both)."""
+        forwards (0: it does not run; w and f may be arrays of candidates), or None while the run
+        cannot price steps yet (then the longest bucket, the draft model running every other
+        step, to learn both)."""
         n = view.num_decode
         ids = view.request_ids
         top = max(buckets)
@@ -100,71 +113,102 @@ class DrafterChoice:
 
         # per bucket: each row's best lookup (tokens, which, its draft length), 1 token, -1 and
         # 0 without one
+        bucket_arr = np.asarray(buckets, np.int64)
         look_tokens = np.ones((len(buckets), n))
         look_which = np.full((len(buckets), n), -1, np.int64)
         look_len = np.zeros((len(buckets), n), np.int64)
+        scored: dict[int, np.ndarray] = {}  # lookup -> its rows' own estimates, calibrated
         for d in lookups:
-            table = expected(d)
             found = view.lookup_lengths.get(d, np.zeros(n, np.int64))
-            for b, g in enumerate(buckets):
-                length = np.minimum(found, g)
-                tokens = table[rows, length]
-                better = tokens > look_tokens[b] + 1e-9
-                look_tokens[b] = np.where(better, tokens, look_tokens[b])
-                look_which[b] = np.where(better, d, look_which[b])
-                look_len[b] = np.where(better, length, look_len[b])
-        model_tokens = expected(model).T if model is not None else None  # [top + 1, n]
+            length = np.minimum(found[None, :], bucket_arr[:, None])
+            table = expected(d)
+            probs = view.lookup_probs.get(d)
+            if probs is not None and not np.isnan(probs[:, 0]).all():
+                scored[d] = probs
+                own = np.minimum(self.calibration(d) * np.nan_to_num(probs[:, :top]), 1.0)
+                own = np.cumsum(np.concatenate([np.ones((n, 1)), own], axis=1), axis=1)
+                table = np.where(np.isnan(probs[:, :1]), table, own)
+            tokens = table[rows[None, :], length]
+            better = tokens > look_tokens + 1e-9
+            look_tokens = np.where(better, tokens, look_tokens)
+            look_which = np.where(better, d, look_which)
+            look_len = np.where(better, length, look_len)
 
+        # the candidate steps: (bucket index, tokens the draft model drafts), 0: it does not run
+        per_bucket = [range(g + 1 if model is not None else 1) for g in buckets]
+        cand_b = [b for b, ms in enumerate(per_bucket) for _ in ms]
+        cand_m = np.array([m for ms in per_bucket for m in ms])
+        tokens, drafters = look_tokens[cand_b], look_which[cand_b]  # [C, n]
+        lengths = look_len[cand_b]
         # the draft model's catch-up before it drafts a row it has not seen for a while (its
         # KV lags by more than the 1-2 tokens the draft loop feeds): Nightjar's switching cost
         catch_up = self.catch_up_seconds() * np.maximum(view.pending_draft_tokens - 2, 0)
-
-        def choice(b: int, model_gamma: int, rate: float | None = None):
-            """(tokens, drafters, catch-up seconds) per row at bucket index b, the model
-            drafting model_gamma tokens for the rows where it yields more; with ``rate``
-            (tokens/s of the step without catch-up) only for rows whose extra tokens are worth
-            their catch-up at that rate."""
-            if not model_gamma:
-                return look_tokens[b], look_which[b], 0.0
-            gain = model_tokens[model_gamma] - look_tokens[b]
-            better = gain > 1e-9
-            if rate is not None:
-                better &= gain >= rate * catch_up
-            return (np.where(better, model_tokens[model_gamma], look_tokens[b]),
-                    np.where(better, model, look_which[b]), float(catch_up[better].sum()))
-
+        gain = None
+        if model is not None:
+            model_tokens = expected(model).T[cand_m]  # [C, n]
+            gain = np.where(cand_m[:, None] > 0, model_tokens - tokens, 0.0)
         verify_width = view.verify_width or (lambda gammas, g, model_drafts: n * (1 + g))
 
-        def seconds_of(b: int, drafters, model_gamma: int) -> float:
-            """The step's seconds (without catch-up) with these drafters at bucket b: its
-            verify width from the rows' draft lengths, the model's forwards if it drafts."""
-            runs = model_gamma if model_gamma and (drafters == model).any() else 0
-            gammas = np.where(drafters == model, model_gamma,
-                              np.where(drafters >= 0, look_len[b], 0))
-            return step_time(verify_width(gammas, buckets[b], runs > 0), runs)
+        def choose(worth):
+            """Tokens, drafters and catch-up seconds per candidate: the model takes the rows
+            where it yields more (``worth``: and where that is worth its catch-up)."""
+            if gain is None:
+                return tokens, drafters, np.zeros(len(cand_m))
+            better = (gain > 1e-9) & worth
+            return (np.where(better, model_tokens, tokens), np.where(better, model, drafters),
+                    (better * catch_up[None, :]).sum(axis=1))
+
+        widths: dict[tuple[int, int, bool], int] = {}  # the engine's width by (Σγ, g, model)
+
+        def seconds_of(drafters_c) -> tuple[np.ndarray, np.ndarray]:
+            """Each candidate step's seconds without catch-up (its verify width from the rows'
+            draft lengths, the model's forwards if it drafts for any row), and those forwards."""
+            by_model = drafters_c == (model if model is not None else -2)  # -1: no draft
+            runs = np.where(by_model.any(axis=1), cand_m, 0)
+            gammas = np.where(by_model, cand_m[:, None], np.where(drafters_c >= 0, lengths, 0))
+            width = np.empty(len(cand_m))
+            for k, (b, total, r) in enumerate(zip(cand_b, gammas.sum(axis=1).tolist(),
+                                                  runs.tolist())):
+                key = (total, b, r > 0)
+                if key not in widths:  # the width rule reads the drafts through their sum
+                    widths[key] = verify_width(gammas[k], buckets[b], r > 0)
+                width[k] = widths[key]
+            return np.asarray(step_time(width, runs), np.float64), runs
 
         plain = step_time(verify_width(np.zeros(n, np.int64), 0, False), 0)
         if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
             self._explore += 1
             model_gamma = top if model is not None and self._explore % 2 == 1 else 0
-            g, best = top, (*choice(len(buckets) - 1, model_gamma)[:2], model_gamma)
+            k = len(cand_m) - 1 - top + model_gamma if model is not None else len(cand_m) - 1
+            g, best = top, (*[x[k] for x in choose(True)[:2]], model_gamma)
         else:
-            g, best, value = 0, None, n / plain
-            for b, bucket in enumerate(buckets):
-                for model_gamma in range(bucket + 1 if model is not None else 1):
-                    tokens, drafters, _ = choice(b, model_gamma)
-                    seconds = seconds_of(b, drafters, model_gamma)
-                    tokens, drafters, extra = choice(b, model_gamma, tokens.sum() / seconds)
-                    if model_gamma and not (drafters == model).any():
-                        continue  # the same step as without the model
-                    candidate = tokens.sum() / (seconds_of(b, drafters, model_gamma) + extra)
-                    if candidate > value:
-                        g, best, value = bucket, (tokens, drafters, model_gamma), candidate
+            worth = True
+            if gain is not None and catch_up.any():  # the model's rows worth their catch-up
+                first_tokens, first_drafters, _ = choose(True)
+                rate = first_tokens.sum(axis=1) / seconds_of(first_drafters)[0]
+                worth = gain >= rate[:, None] * catch_up[None, :]
+            final_tokens, final_drafters, extra = choose(worth)
+            seconds, runs = seconds_of(final_drafters)
+            values = final_tokens.sum(axis=1) / (seconds + extra)
+            values[(cand_m > 0) & (runs == 0)] = -np.inf  # the same step as without the model
+            k = int(np.argmax(values))
+            g, best = 0, None
+            if values[k] > n / plain:
+                g, best = buckets[cand_b[k]], (final_tokens[k], final_drafters[k], int(cand_m[k]))
         if best is None:
+            self._predicted = {}
             return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
         _, drafters, model_gamma = best
         gammas = np.where(drafters == model, model_gamma, np.where(drafters >= 0, g, 0))
+        self._predicted = {ids[i]: (int(drafters[i]), scored[int(drafters[i])][i])
+                           for i in range(n) if int(drafters[i]) in scored}
         return DraftPlan(gammas=gammas.astype(np.int32), drafters=drafters)
+
+    def calibration(self, d: int) -> float:
+        """Lookup ``d``'s accepted tokens per token its own estimates predicted (decayed over
+        the steps it drafted with them), shrunk towards 1 (the estimates as they are)."""
+        accepted, predicted = self._calibration.get(d, (0.0, 0.0))
+        return (accepted + _REQUEST_PRIOR) / (predicted + _REQUEST_PRIOR)
 
     def catch_up_seconds(self) -> float:
         """Seconds per token of the draft model's catch-up, measured (decayed over the steps
@@ -190,8 +234,15 @@ class DrafterChoice:
                 r = acc / jud
                 self.rate[d] = (1 - _EMA) * self.rate.get(d, self.alpha0) + _EMA * r
                 self.judged[d] = (1 - _EMA) * self.judged.get(d, 0.0) + jud
+        verified = np.asarray(outcome.num_verified, np.int64)
         for i in np.flatnonzero(drafters >= 0).tolist():
             rid = outcome.request_ids[i]
+            d, probs = self._predicted.pop(rid, (None, None))
+            if d == drafters[i] and verified[i] > 0:
+                acc, pred = self._calibration.get(d, (0.0, 0.0))
+                self._calibration[d] = (
+                    _CALIBRATION_DECAY * acc + int(accepted[i]),
+                    _CALIBRATION_DECAY * pred + float(np.nansum(probs[:verified[i]])))
             own = self.seqs.setdefault(rid, {}).setdefault(int(drafters[i]), [0.0, 0.0])
             own[0] = _REQUEST_DECAY * own[0] + int(accepted[i])
             own[1] = _REQUEST_DECAY * own[1] + int(judged[i])
@@ -201,8 +252,11 @@ class DrafterChoice:
 
     def state_dict(self) -> dict[str, Any]:
         return {"rate": {str(d): r for d, r in self.rate.items()},
-                "judged": {str(d): j for d, j in self.judged.items()}}
+                "judged": {str(d): j for d, j in self.judged.items()},
+                "calibration": {str(d): list(c) for d, c in self._calibration.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rate = {int(d): float(r) for d, r in state.get("rate", {}).items()}
         self.judged = {int(d): float(j) for d, j in state.get("judged", {}).items()}
+        self._calibration = {int(d): (float(c[0]), float(c[1]))
+                             for d, c in state.get("calibration", {}).items()}

@@ -173,3 +173,53 @@ def test_a_drafter_left_out_is_tried_again_as_its_evidence_ages():
     assert ageing.rate[MODEL] == frozen.rate[MODEL]  # the rate itself did not move
     assert ageing.judged[MODEL] < 0.5 * frozen.judged[MODEL]
     assert ageing.drafter_rate(MODEL) > frozen.drafter_rate(MODEL) + 0.05
+
+
+SUFFIX = 2
+
+
+def test_a_lookups_own_estimate_drafts_a_row_its_record_would_not():
+    """Suffix decoding's chained frequencies (``BatchView.lookup_probs``) predict each row's
+    draft: a row whose output turned repetitive (estimate ~1 per token) drafts 4 tokens with the
+    lookup at once, though the drafter's record (and the row's own) says half its tokens fail
+    and the draft model has accepted everything of that row; a row whose estimate is low
+    leaves the lookup for the model."""
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
+    view = _view([0, 0])
+    for _ in range(20):  # suffix drafts of both rows accepted half; the model's all
+        _learn(choice, view, [SUFFIX, SUFFIX], [1, 1], gamma=2)
+        _learn(choice, view, [MODEL, MODEL], [4, 4])
+    probs = np.array([[1.0, 1.0, 0.99, 0.99], [0.3, 0.1, np.nan, np.nan]])
+    view = dataclasses.replace(view, lookup_lengths={SUFFIX: np.array([4, 2])},
+                               lookup_probs={SUFFIX: probs})
+    times = _times(1e-4, 5e-4)
+    plan = choice.plan(view, MODEL, (SUFFIX,), BUCKETS, times)
+    assert plan.drafters.tolist() == [SUFFIX, MODEL] and plan.gammas.tolist() == [4, 4]
+    # without the estimate the record rules: the model takes both rows
+    blind = dataclasses.replace(view, lookup_probs={})
+    assert choice.plan(blind, MODEL, (SUFFIX,), BUCKETS, times).drafters.tolist() == [MODEL] * 2
+
+
+def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
+    """Estimates that promise more than the target accepts lose weight: after rows predicted
+    at ~1 per token accepted one token in four, the same estimate no longer beats the model."""
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
+    probs = np.array([[1.0, 1.0, 1.0, 1.0]])
+    view = dataclasses.replace(_view([0]), lookup_lengths={SUFFIX: np.array([4])},
+                               lookup_probs={SUFFIX: probs})
+    for _ in range(10):
+        _learn(choice, view, [MODEL], [3])
+    times = _times(1e-4, 1e-4)
+    assert choice.plan(view, MODEL, (SUFFIX,), BUCKETS, times).drafters.tolist() == [SUFFIX]
+    assert choice.calibration(SUFFIX) == 1.0
+    for _ in range(30):
+        plan = choice.plan(view, MODEL, (SUFFIX,), BUCKETS, times)
+        if plan.drafters[0] != SUFFIX:
+            break
+        _learn(choice, view, [SUFFIX], [1])
+    assert choice.calibration(SUFFIX) < 0.5
+    assert choice.plan(view, MODEL, (SUFFIX,), BUCKETS, times).drafters.tolist() == [MODEL]
+    state = choice.state_dict()  # the calibration is saved with the rates
+    fresh = DrafterChoice(alpha0=0.6, confidence_z=0.0)
+    fresh.load_state_dict(state)
+    assert fresh.calibration(SUFFIX) == pytest.approx(choice.calibration(SUFFIX))

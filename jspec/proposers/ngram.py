@@ -16,6 +16,8 @@ The drafts have no distribution: the target verifies them with a one-hot q
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from jspec.device_steps import DraftResult
@@ -148,6 +150,15 @@ class TokenBuffers:
             self._buffers = {rid: b for rid, b in self._buffers.items() if rid in live}
 
 
+class Survey(NamedTuple):
+    """What a lookup would draft for each surveyed sequence: ``lengths`` [n] tokens, and
+    ``probs`` [n, γ] its own estimate that the draft's first j + 1 tokens are all accepted
+    (suffix decoding's chained frequencies), NaN past the draft or where it has none."""
+
+    lengths: np.ndarray
+    probs: np.ndarray
+
+
 class LookupProposer(Proposer):
     """A drafter that looks each drafting row's continuation up on the host (``draft``), with
     no distribution: the shared step of prompt lookup and suffix decoding."""
@@ -164,18 +175,27 @@ class LookupProposer(Proposer):
         """Up to ``gamma`` tokens to follow ``seq``'s."""
         raise NotImplementedError
 
-    def survey(self, seqs, gamma: int) -> np.ndarray:
-        """How many tokens the lookup would draft for each of ``seqs`` (at most ``gamma``),
-        for a policy that chooses drafters per sequence before the step: the drafts are kept
-        for the step's ``propose``. A sequence whose newest token is still on device
+    def draft_with_probs(self, seq, gamma: int) -> tuple[list[int] | np.ndarray,
+                                                         list[float] | None]:
+        """``draft`` and the lookup's own probability that each drafted token is accepted
+        with all before it, None where the lookup has no such estimate."""
+        return self.draft(seq, gamma), None
+
+    def survey(self, seqs, gamma: int) -> Survey:
+        """What the lookup would draft for each of ``seqs`` (at most ``gamma`` tokens), for a
+        policy that chooses drafters per sequence before the step: the drafts are kept for
+        the step's ``propose``. A sequence whose newest token is still on device
         (asynchronous scheduling) is judged by the tokens before it."""
         self._surveyed = {}
-        out = np.zeros(len(seqs), np.int64)
+        out = Survey(np.zeros(len(seqs), np.int64), np.full((len(seqs), gamma), np.nan))
         for i, seq in enumerate(seqs):
-            draft = np.asarray(self.draft(seq, gamma), np.int32)
+            draft, probs = self.draft_with_probs(seq, gamma)
+            draft = np.asarray(draft, np.int32)
             if not _pending(seq):  # the draft the step would make: kept for it
                 self._surveyed[seq.request_id] = (seq.num_tokens, draft)
-            out[i] = len(draft)
+            out.lengths[i] = len(draft)
+            if probs is not None:
+                out.probs[i, :len(probs)] = probs
         return out
 
     def _draft_of(self, seq, gamma: int):

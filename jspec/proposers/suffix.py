@@ -13,7 +13,9 @@ path with a continuation is the match; from its node the draft follows the most 
 while the chain of child frequencies (count / parent's children's counts) stays at or above
 ``min_token_prob``, at most ``max_spec_factor`` × match length tokens (and the row's γ). The
 score, the sum of those chained probabilities, estimates the accepted tokens; the tree with the
-higher score drafts. Only path drafts: tree verification is not built.
+higher score drafts. The chained probabilities go with the draft to a policy that chooses
+drafters per sequence (``LookupProposer.survey``). Only path drafts: tree verification is not
+built.
 
 The trie ends at ``max_depth``, so a match is at most ``max_depth`` − γ tokens long, leaving room
 for the draft. A request's own tree is never built: what it would draft is computed from the
@@ -26,74 +28,150 @@ token costs ``max_depth`` dict updates to insert.
 from __future__ import annotations
 
 import collections
+from array import array
 
 import numpy as np
 
 from jspec.proposers.ngram import LookupProposer, TokenBuffers, longest_earlier_suffix
 
-# a node: [count, {token: node}, (best token, its node, children's total count) or None]; the
-# last is computed when a draft first reads the node and dropped when a child's count changes
-_COUNT, _KIDS, _BEST = 0, 1, 2
+_NONE, _STALE = -1, -2  # no node; a best child not known (recomputed when a draft reads it)
 
 
 class SuffixTree:
-    """A suffix trie over any number of token sequences, cut at ``max_depth``."""
+    """A suffix trie over any number of token sequences, cut at ``max_depth``.
+
+    Nodes are integers (the root is 0) and every field of a node is an entry of a flat array;
+    the edges are one dict from ``node << 32 | token`` to the child. Neither holds a Python
+    object the garbage collector walks: the global tree reaches a million nodes over
+    ``max_cached_requests`` = 1000 outputs, which as nested lists and dicts took ~380 MiB and
+    made each full collection walk 2.6M objects (760 ms, every running request stalled)."""
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
-        self.root: list = [0, {}, None]
+        self._edge: dict[int, int] = {}  # node << 32 | token -> child
+        self._count = array("q", [0])  # how often the node's path occurred
+        self._total = array("q", [0])  # Σ of its children's counts
+        self._token = array("q", [-1])  # the token of the edge into it
+        self._first = array("q", [_NONE])  # its children as a list: the first ...
+        self._next = array("q", [_NONE])  # ... each one's next sibling and previous one
+        self._prev = array("q", [_NONE])
+        self._best = array("q", [_NONE])  # its most frequent child, _NONE, or _STALE
+        self._free = array("q")  # node ids to reuse
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root included."""
+        return len(self._count) - len(self._free)
+
+    def count(self, path) -> int:
+        """How often ``path`` occurred (0 where it is not in the tree)."""
+        node = self._node(path)
+        return 0 if node is None else self._count[node]
 
     def add(self, tokens, start: int = 0) -> None:
         """Count every substring (of at most ``max_depth`` tokens) that ends in
         ``tokens[start:]``; those ending before ``start`` were added by an earlier call over the
         same sequence."""
-        self._count(tokens, start, +1)
+        self._count_paths(tokens, start, +1)
 
     def remove(self, tokens) -> None:
         """Undo ``add(tokens)``: every count it added goes back down, and nodes at 0 go."""
-        self._count(tokens, 0, -1)
+        self._count_paths(tokens, 0, -1)
 
-    def _count(self, tokens, start: int, delta: int) -> None:
+    def _new_node(self, parent: int, tok: int) -> int:
+        if self._free:
+            node = self._free.pop()
+        else:
+            node = len(self._count)
+            for arr in (self._count, self._total, self._token, self._first, self._next,
+                        self._prev, self._best):
+                arr.append(0)
+        self._count[node] = self._total[node] = 0
+        self._token[node] = tok
+        self._first[node] = self._best[node] = self._prev[node] = _NONE
+        head = self._next[node] = self._first[parent]
+        if head != _NONE:
+            self._prev[head] = node
+        self._first[parent] = node
+        self._edge[parent << 32 | tok] = node
+        return node
+
+    def _drop_node(self, parent: int, node: int) -> None:
+        """Unlink a node whose count reached 0 from its parent (its descendants reach 0 in the
+        same removal, and are dropped from it in turn)."""
+        del self._edge[parent << 32 | self._token[node]]
+        prev, nxt = self._prev[node], self._next[node]
+        if prev == _NONE:
+            self._first[parent] = nxt
+        else:
+            self._next[prev] = nxt
+        if nxt != _NONE:
+            self._prev[nxt] = prev
+        self._free.append(node)
+
+    def _count_paths(self, tokens, start: int, delta: int) -> None:
         # frontier[j]: the node of the sequence's last j tokens (frontier[0] is the root), so
         # each new token extends at most max_depth paths: O(depth) per token
         depth = self.max_depth
-        frontier = [self.root]
+        edge, count, total, best, token = (self._edge, self._count, self._total, self._best,
+                                           self._token)
+        frontier = [0]
         for j in range(1, min(depth - 1, start) + 1):
-            node = self.root
-            for t in tokens[start - j:start]:
-                node = node[_KIDS].get(t)
-                if node is None:
-                    break
+            node = self._node(tokens[start - j:start])
             if node is None:
                 break
             frontier.append(node)
         for tok in tokens[start:]:
-            grown = [self.root]
+            tok = int(tok)
+            grown = [0]
             for node in frontier[:depth]:
-                child = node[_KIDS].get(tok)
+                child = edge.get(node << 32 | tok)
                 if child is None:
                     if delta < 0:
                         break  # removed already: so are the longer paths through it
-                    child = node[_KIDS][tok] = [0, {}, None]
-                child[_COUNT] += delta
-                node[_BEST] = None
-                if child[_COUNT] <= 0:
-                    del node[_KIDS][tok]  # its descendants reach 0 in this same removal
+                    child = self._new_node(node, tok)
+                count[child] += delta
+                total[node] += delta
+                b = best[node]
+                if delta < 0:
+                    if b == child:
+                        best[node] = _STALE
+                    if count[child] <= 0:
+                        self._drop_node(node, child)
+                elif b == _NONE or (b >= 0 and b != child and (
+                        count[child], -tok) > (count[b], -token[b])):
+                    best[node] = child
                 grown.append(child)
             frontier = grown[:depth]
 
-    def _node(self, path):
+    def _node(self, path) -> int | None:
         """The node of ``path``, or None where it is not in the tree."""
-        node = self.root
+        node, edge = 0, self._edge
         for t in path:
-            node = node[_KIDS].get(t)
+            node = edge.get(node << 32 | int(t))
             if node is None:
                 return None
         return node
 
+    def _best_child(self, node: int) -> int:
+        """``node``'s most frequent child (ties to the smaller token id, as
+        ``sequence_draft``), kept until a child's count falls; _NONE without children."""
+        b = self._best[node]
+        if b != _STALE:
+            return b
+        b, key, child = _NONE, None, self._first[node]
+        while child != _NONE:
+            k = (self._count[child], -self._token[child])
+            if key is None or k > key:
+                b, key = child, k
+            child = self._next[child]
+        self._best[node] = b
+        return b
+
     def draft(self, tokens, k: int, max_spec_factor: float, min_token_prob: float
-              ) -> tuple[list[int], float]:
-        """(draft, score) continuing ``tokens`` (module docstring); ([], 0) without a match."""
+              ) -> tuple[list[int], list[float]]:
+        """(draft, the chained probability of each drafted token) continuing ``tokens`` (module
+        docstring; the score is their sum); ([], []) without a match."""
         length = len(tokens)
         # the trie ends at max_depth: a match of m tokens leaves max_depth - m to draft.
         # Every suffix of a path is a path, so the longest suffix that is one is found by
@@ -107,44 +185,35 @@ class SuffixTree:
                 lo = mid
         for m in range(lo, 0, -1):
             node = self._node(tokens[length - m:])
-            if not node[_KIDS]:
+            if self._first[node] == _NONE:
                 continue
             limit = min(k, int(max_spec_factor * m))
-            out, score, prob = [], 0.0, 1.0
-            while len(out) < limit and node[_KIDS]:
-                tok, child, total = node[_BEST] or _best_child(node)
-                prob *= child[_COUNT] / total
+            out, probs, prob = [], [], 1.0
+            while len(out) < limit and self._first[node] != _NONE:
+                child = self._best_child(node)
+                prob *= self._count[child] / self._total[node]
                 if prob < min_token_prob:
                     break
-                out.append(int(tok))
-                score += prob
+                out.append(int(self._token[child]))
+                probs.append(prob)
                 node = child
-            return out, score
-        return [], 0.0
-
-
-def _best_child(node) -> tuple:
-    """(token, node, total) of ``node``'s most frequent child (ties to the smaller token id, as
-    ``sequence_draft``) and its children's total count, kept on the node until a count
-    changes: a node near the root has hundreds of children, and every draft reads it."""
-    tok, child = max(node[_KIDS].items(), key=lambda kv: (kv[1][_COUNT], -kv[0]))
-    node[_BEST] = best = (tok, child, sum(c[_COUNT] for c in node[_KIDS].values()))
-    return best
+            return out, probs
+        return [], []
 
 
 def sequence_draft(tokens: np.ndarray, max_depth: int, k: int, max_spec_factor: float,
                    min_token_prob: float, ends: np.ndarray | None = None
-                   ) -> tuple[list[int], float]:
+                   ) -> tuple[list[int], list[float]]:
     """``SuffixTree(max_depth)`` over the one sequence ``tokens``, drafting its continuation
     (``SuffixTree.draft``), computed from the token array instead of a trie: the occurrences
     of the matched suffix, narrowed to those that go on with each drafted token. A request's
     own tree costs nothing to build this way; a trie over a 2k-token prompt took ~80 ms."""
     m, ends = longest_earlier_suffix(tokens, max(max_depth - k, 1), ends)
     if not m:
-        return [], 0.0
+        return [], []
     limit = min(k, int(max_spec_factor * m), max_depth - m)  # the trie ends at max_depth
     last = len(tokens) - 1
-    out, score, prob = [], 0.0, 1.0
+    out, probs, prob = [], [], 1.0
     while len(out) < limit:
         ends = ends[ends < last]  # occurrences with a token after them
         if not ends.size:
@@ -153,7 +222,7 @@ def sequence_draft(tokens: np.ndarray, max_depth: int, k: int, max_spec_factor: 
             e = int(ends[0])
             rest = tokens[e + 1:e + 1 + min(limit - len(out), last - e)].tolist()
             out += rest
-            score += prob * len(rest)
+            probs += [prob] * len(rest)
             break
         following = tokens[ends + 1]
         values, counts = np.unique(following, return_counts=True)
@@ -162,9 +231,9 @@ def sequence_draft(tokens: np.ndarray, max_depth: int, k: int, max_spec_factor: 
         if prob < min_token_prob:
             break
         out.append(int(values[best]))
-        score += prob
+        probs.append(prob)
         ends = ends[following == values[best]] + 1
-    return out, score
+    return out, probs
 
 
 class SuffixProposer(LookupProposer):
@@ -197,12 +266,16 @@ class SuffixProposer(LookupProposer):
                     self.global_tree.remove(self._cached.popleft())
 
     def draft(self, seq, gamma: int) -> list[int]:
+        return self.draft_with_probs(seq, gamma)[0]
+
+    def draft_with_probs(self, seq, gamma: int) -> tuple[list[int], list[float]]:
+        """The draft of the tree with the higher score, and its chained probabilities."""
         tokens, ends = self.tokens.lookup_input(seq)
-        own, score = sequence_draft(tokens, self.max_depth, gamma, self.max_spec_factor,
-                                    self.min_token_prob, ends)
-        other, other_score = self.global_tree.draft(tokens[-self.max_depth:].tolist(), gamma,
-                                                    self.max_spec_factor, self.min_token_prob)
-        return other if other_score > score else own
+        own = sequence_draft(tokens, self.max_depth, gamma, self.max_spec_factor,
+                             self.min_token_prob, ends)
+        other = self.global_tree.draft(tokens[-self.max_depth:].tolist(), gamma,
+                                       self.max_spec_factor, self.min_token_prob)
+        return other if sum(other[1]) > sum(own[1]) else own
 
     def propose(self, st) -> None:
         self._retire_finished()
