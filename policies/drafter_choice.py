@@ -200,8 +200,8 @@ class DrafterChoice:
             return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
         _, drafters, model_gamma = best
         gammas = np.where(drafters == model, model_gamma, np.where(drafters >= 0, g, 0))
-        self._predicted = {ids[i]: (int(drafters[i]), scored[int(drafters[i])][i])
-                           for i in range(n) if int(drafters[i]) in scored}
+        self._predicted = {ids[i]: (d, scored[d][i]) for i, d in enumerate(drafters.tolist())
+                           if d in scored and not np.isnan(scored[d][i, 0])}
         return DraftPlan(gammas=gammas.astype(np.int32), drafters=drafters)
 
     def calibration(self, d: int) -> float:
