@@ -27,14 +27,13 @@ calibrated: Σ_{j=0..L} min(1, κ_d·P_{i,j}) with P_{i,0} = 1 and κ_d the draf
 tokens per predicted one (decayed, shrunk towards 1). The estimate reads the sequence's
 context now: a sequence whose output turns repetitive drafts long at once, where the per-
 sequence rate would follow only after several steps (or never, once another drafter took the
-row). The plan is the (g, f ≤ g) of greatest
-Σ_i E_i / T, γ = 0 included (every row plain: n / T(0, 0)): the draft model may draft fewer
-tokens than the lookups beside it, whose drafts cost only their verification. A row the draft
-model has not followed (its KV lags after steps drafted by a lookup or not at all) must be
-caught up first, Nightjar's switching cost: the model takes such a row only if its extra
-tokens over the row's best lookup are worth the catch-up's seconds (measured per token) at the
-step's rate, and T then includes them. Rows whose best is 1 token do not
-draft. The drafter-wide rates are planned at an upper confidence bound (as DSD's α), so a
+row). The plan is the (g, f ≤ g) of greatest Σ_i E_i / T, γ = 0 included (every row plain: n /
+T(0, 0)): the draft model may draft fewer tokens than the lookups beside it, whose drafts cost
+only their verification. A row the draft model has not followed (its KV lags after steps drafted
+by a lookup or not at all) must be caught up first, Nightjar's switching cost: the model takes
+such a row only if its extra tokens over the row's best lookup are worth the catch-up's seconds
+(measured per token) at the step's rate, and T then includes them. Rows whose best is 1 token do
+not draft. The drafter-wide rates are planned at an upper confidence bound (as DSD's α), so a
 drafter with thin evidence is tried; the evidence of a drafter that verifies nothing ages as
 DSD's does (``idle_decay``), so a drafter that drafted badly for a few requests is tried again.
 
@@ -117,7 +116,7 @@ class DrafterChoice:
         look_tokens = np.ones((len(buckets), n))
         look_which = np.full((len(buckets), n), -1, np.int64)
         look_len = np.zeros((len(buckets), n), np.int64)
-        scored: dict[int, np.ndarray] = {}  # lookup -> its rows' own estimates, calibrated
+        scored: dict[int, np.ndarray] = {}  # lookup -> its rows' own estimates, as given
         for d in lookups:
             found = view.lookup_lengths.get(d, np.zeros(n, np.int64))
             length = np.minimum(found[None, :], bucket_arr[:, None])
