@@ -259,7 +259,7 @@ def upper_bound(alpha: float, judged_tokens: float, z: float) -> float:
     """An acceptance rate ``alpha`` plus ``z`` standard errors over ``judged_tokens`` judged
     tokens (at least one), at most 1: a rate with thin evidence plans high, so its drafter is
     tried and learns."""
-    a = alpha + z * float(np.sqrt(alpha * (1.0 - alpha) / max(judged_tokens, 1.0)))
+    a = alpha + z * math.sqrt(max(alpha * (1.0 - alpha), 0.0) / max(judged_tokens, 1.0))
     return min(a, 1.0)
 
 

@@ -46,6 +46,7 @@ verification of what it found).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -77,21 +78,29 @@ class DrafterChoice:
         self._calibration: dict[int, tuple[float, float]] = {}
         # request -> (lookup, its estimates) of the rows the last plan gave a scored lookup
         self._predicted: dict[str, tuple[int, np.ndarray]] = {}
+        self._cands: dict[tuple[tuple[int, ...], bool], _Candidates] = {}  # by (buckets, model)
 
     def drafter_rate(self, d: int) -> float:
         """Drafter ``d``'s rate at its upper confidence bound, at most 1."""
         return upper_bound(self.rate.get(d, self.alpha0), self.judged.get(d, 0.0), self.z)
 
-    def seq_rates(self, request_ids, d: int) -> np.ndarray:
-        """Each sequence's rate of drafter ``d``: its own judged tokens, shrunk towards the
-        drafter's bound."""
-        prior = self.drafter_rate(d)
-        out = np.full(len(request_ids), prior)
-        for i, rid in enumerate(request_ids):
-            own = self.seqs.get(rid, {}).get(d)
-            if own is not None:
-                out[i] = (own[0] + _REQUEST_PRIOR * prior) / (own[1] + _REQUEST_PRIOR)
-        return out
+    def seq_rates(self, request_ids, drafters) -> np.ndarray:
+        """[len(drafters), n]: each sequence's rate of each drafter, its own judged tokens
+        shrunk towards the drafter's bound."""
+        priors = [self.drafter_rate(d) for d in drafters]
+        out = []
+        for rid in request_ids:
+            own = self.seqs.get(rid)
+            if own is None:
+                out.append(priors)
+                continue
+            row = list(priors)
+            for k, d in enumerate(drafters):
+                judged = own.get(d)
+                if judged is not None:
+                    row[k] = (judged[0] + _REQUEST_PRIOR * priors[k]) / (judged[1] + _REQUEST_PRIOR)
+            out.append(row)
+        return np.array(out, np.float64).reshape(len(request_ids), len(drafters)).T
 
     def plan(self, view: BatchView, model: int | None, lookups: tuple[int, ...],
              buckets: tuple[int, ...], step_time) -> DraftPlan:
@@ -100,79 +109,89 @@ class DrafterChoice:
         seconds of a step whose verify is w tokens wide and in which the draft model runs f
         forwards (0: it does not run; w and f may be arrays of candidates), or None while the run
         cannot price steps yet (then the longest bucket, the draft model running every other
-        step, to learn both)."""
+        step, to learn both).
+
+        It runs on the host between two device passes of every step, so it is written as a
+        few operations on [candidates, rows] arrays (their count, not the rows, is its cost
+        at small batches)."""
         n = view.num_decode
         ids = view.request_ids
-        top = max(buckets)
-        powers = np.arange(top + 1)
-        rows = np.arange(n)
-
-        def expected(d):  # [n, top + 1]: Σ_{j=0..L} α_{i,d}^j for every length L
-            return np.cumsum(self.seq_rates(ids, d)[:, None] ** powers[None, :], axis=1)
+        cands = self._candidates(buckets, model is not None)
+        top = cands.top
+        # [drafter, n, top + 1]: Σ_{j=0..L} α_{i,d}^j for every length L, lookups then model
+        drafters = (*lookups, model) if model is not None else lookups
+        tables = np.cumsum(self.seq_rates(ids, drafters)[:, :, None] ** cands.powers, axis=2)
 
         # per bucket: each row's best lookup (tokens, which, its draft length), 1 token, -1 and
         # 0 without one
-        bucket_arr = np.asarray(buckets, np.int64)
         look_tokens = np.ones((len(buckets), n))
         look_which = np.full((len(buckets), n), -1, np.int64)
         look_len = np.zeros((len(buckets), n), np.int64)
         scored: dict[int, np.ndarray] = {}  # lookup -> its rows' own estimates, as given
-        for d in lookups:
-            found = view.lookup_lengths.get(d, np.zeros(n, np.int64))
-            length = np.minimum(found[None, :], bucket_arr[:, None])
-            table = expected(d)
+        rows = np.arange(n)
+        for k, d in enumerate(lookups):
+            found = view.lookup_lengths.get(d)
+            if found is None:  # drafts nothing: 1 token, never better than no draft
+                continue
+            length = np.minimum(found[None, :], cands.bucket_col)
+            table = tables[k]
             probs = view.lookup_probs.get(d)
-            if probs is not None and not np.isnan(probs[:, 0]).all():
-                scored[d] = probs
-                own = np.minimum(self.calibration(d) * np.nan_to_num(probs[:, :top]), 1.0)
-                own = np.cumsum(np.concatenate([np.ones((n, 1)), own], axis=1), axis=1)
-                table = np.where(np.isnan(probs[:, :1]), table, own)
-            tokens = table[rows[None, :], length]
+            if probs is not None:
+                own_rows = ~np.isnan(probs[:, 0])
+                if own_rows.any():
+                    scored[d] = probs
+                    # Σ_{j<L} min(1, κ·P_j) + 1; NaN only past a row's draft, which no
+                    # length reads
+                    own = np.ones((n, top + 1))
+                    np.cumsum(np.minimum(self.calibration(d) * probs[:, :top], 1.0), axis=1,
+                              out=own[:, 1:])
+                    own[:, 1:] += 1.0
+                    table = np.where(own_rows[:, None], own, table)
+            tokens = table[rows, length]
             better = tokens > look_tokens + 1e-9
             look_tokens = np.where(better, tokens, look_tokens)
             look_which = np.where(better, d, look_which)
             look_len = np.where(better, length, look_len)
 
         # the candidate steps: (bucket index, tokens the draft model drafts), 0: it does not run
-        per_bucket = [range(g + 1 if model is not None else 1) for g in buckets]
-        cand_b = [b for b, ms in enumerate(per_bucket) for _ in ms]
-        cand_m = np.array([m for ms in per_bucket for m in ms])
-        tokens, drafters = look_tokens[cand_b], look_which[cand_b]  # [C, n]
-        lengths = look_len[cand_b]
+        cand_b, cand_m = cands.bucket, cands.model_gamma
+        tokens, drafters_c, lengths = look_tokens[cand_b], look_which[cand_b], look_len[cand_b]
         # the draft model's catch-up before it drafts a row it has not seen for a while (its
         # KV lags by more than the 1-2 tokens the draft loop feeds): Nightjar's switching cost
         catch_up = self.catch_up_seconds() * np.maximum(view.pending_draft_tokens - 2, 0)
-        gain = None
+        gain = model_tokens = None
         if model is not None:
-            model_tokens = expected(model).T[cand_m]  # [C, n]
-            gain = np.where(cand_m[:, None] > 0, model_tokens - tokens, 0.0)
+            model_tokens = tables[-1].T[cand_m]  # [C, n]
+            gain = np.where(cands.model_runs[:, None], model_tokens - tokens, 0.0)
         verify_width = view.verify_width or (lambda gammas, g, model_drafts: n * (1 + g))
 
         def choose(worth):
             """Tokens, drafters and catch-up seconds per candidate: the model takes the rows
             where it yields more (``worth``: and where that is worth its catch-up)."""
             if gain is None:
-                return tokens, drafters, np.zeros(len(cand_m))
+                return tokens, drafters_c, 0.0
             better = (gain > 1e-9) & worth
-            return (np.where(better, model_tokens, tokens), np.where(better, model, drafters),
-                    (better * catch_up[None, :]).sum(axis=1))
+            return (np.where(better, model_tokens, tokens), np.where(better, model, drafters_c),
+                    better @ catch_up)
 
         widths: dict[tuple[int, int, bool], int] = {}  # the engine's width by (Σγ, g, model)
+        no_model = model if model is not None else -2  # -1: no draft
 
-        def seconds_of(drafters_c) -> tuple[np.ndarray, np.ndarray]:
+        def seconds_of(chosen) -> tuple[np.ndarray, np.ndarray]:
             """Each candidate step's seconds without catch-up (its verify width from the rows'
             draft lengths, the model's forwards if it drafts for any row), and those forwards."""
-            by_model = drafters_c == (model if model is not None else -2)  # -1: no draft
+            by_model = chosen == no_model
             runs = np.where(by_model.any(axis=1), cand_m, 0)
-            gammas = np.where(by_model, cand_m[:, None], np.where(drafters_c >= 0, lengths, 0))
-            width = np.empty(len(cand_m))
-            for k, (b, total, r) in enumerate(zip(cand_b, gammas.sum(axis=1).tolist(),
-                                                  runs.tolist())):
+            gammas = np.where(by_model, cand_m[:, None], np.where(chosen >= 0, lengths, 0))
+            width = []
+            for k, (b, total, r) in enumerate(zip(cands.bucket_list,
+                                                  gammas.sum(axis=1).tolist(), runs.tolist())):
                 key = (total, b, r > 0)
-                if key not in widths:  # the width rule reads the drafts through their sum
-                    widths[key] = verify_width(gammas[k], buckets[b], r > 0)
-                width[k] = widths[key]
-            return np.asarray(step_time(width, runs), np.float64), runs
+                w = widths.get(key)
+                if w is None:  # the width rule reads the drafts through their sum
+                    w = widths[key] = verify_width(gammas[k], buckets[b], r > 0)
+                width.append(w)
+            return np.asarray(step_time(np.array(width, np.float64), runs), np.float64), runs
 
         plain = step_time(verify_width(np.zeros(n, np.int64), 0, False), 0)
         if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
@@ -189,7 +208,7 @@ class DrafterChoice:
             final_tokens, final_drafters, extra = choose(worth)
             seconds, runs = seconds_of(final_drafters)
             values = final_tokens.sum(axis=1) / (seconds + extra)
-            values[(cand_m > 0) & (runs == 0)] = -np.inf  # the same step as without the model
+            values[cands.model_runs & (runs == 0)] = -np.inf  # the same step as without it
             k = int(np.argmax(values))
             g, best = 0, None
             if values[k] > n / plain:
@@ -197,11 +216,18 @@ class DrafterChoice:
         if best is None:
             self._predicted = {}
             return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
-        _, drafters, model_gamma = best
-        gammas = np.where(drafters == model, model_gamma, np.where(drafters >= 0, g, 0))
-        self._predicted = {ids[i]: (d, scored[d][i]) for i, d in enumerate(drafters.tolist())
+        _, chosen, model_gamma = best
+        gammas = np.where(chosen == model, model_gamma, np.where(chosen >= 0, g, 0))
+        self._predicted = {ids[i]: (d, scored[d][i]) for i, d in enumerate(chosen.tolist())
                            if d in scored and not np.isnan(scored[d][i, 0])}
-        return DraftPlan(gammas=gammas.astype(np.int32), drafters=drafters)
+        return DraftPlan(gammas=gammas.astype(np.int32), drafters=chosen)
+
+    def _candidates(self, buckets: tuple[int, ...], with_model: bool) -> "_Candidates":
+        key = (buckets, with_model)
+        cands = self._cands.get(key)
+        if cands is None:
+            cands = self._cands[key] = _Candidates.of(buckets, with_model)
+        return cands
 
     def calibration(self, d: int) -> float:
         """Lookup ``d``'s accepted tokens per token its own estimates predicted (decayed over
@@ -259,3 +285,28 @@ class DrafterChoice:
         self.judged = {int(d): float(j) for d, j in state.get("judged", {}).items()}
         self._calibration = {int(d): (float(c[0]), float(c[1]))
                              for d, c in state.get("calibration", {}).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidates:
+    """The candidate steps of a plan over γ buckets: every (bucket, draft-model γ ≤ bucket),
+    draft-model γ 0 meaning it does not run (only 0 without a draft model)."""
+
+    top: int  # the longest bucket
+    powers: np.ndarray  # 0..top
+    bucket_col: np.ndarray  # [B, 1]: the buckets
+    bucket: np.ndarray  # [C]: each candidate's bucket index
+    bucket_list: list[int]  # the same, for host loops
+    model_gamma: np.ndarray  # [C]
+    model_runs: np.ndarray  # [C]: model_gamma > 0
+
+    @classmethod
+    def of(cls, buckets: tuple[int, ...], with_model: bool) -> "_Candidates":
+        pairs = [(b, m) for b, g in enumerate(buckets) for m in range(g + 1 if with_model else 1)]
+        model_gamma = np.array([m for _, m in pairs], np.int64)
+        top = max(buckets)
+        return cls(top=top, powers=np.arange(top + 1),
+                   bucket_col=np.asarray(buckets, np.int64)[:, None],
+                   bucket=np.array([b for b, _ in pairs], np.int64),
+                   bucket_list=[b for b, _ in pairs], model_gamma=model_gamma,
+                   model_runs=model_gamma > 0)

@@ -14,6 +14,7 @@ stands in.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -80,41 +81,73 @@ class StepLine:
     Where the draft loop's device time lands among a step's stages depends on what syncs
     (unsynced, it shows up in the target's pass), so its cost is read from whole steps with and
     without it rather than from the draft stage's clock. ``with_draft`` False: no draft model,
-    the line a + b·w alone."""
+    the line a + b·w alone.
+
+    It is updated and solved once per step between the device's passes, so it keeps plain
+    floats and solves its 2×2 or 3×3 system by elimination: numpy's per-call overhead was
+    ~60 µs of each step's plan at B = 1."""
 
     def __init__(self, with_draft: bool, decay: float = _DRAFT_DECAY):
         self.with_draft = with_draft
         self.decay = decay
         k = 3 if with_draft else 2
-        self.xx = np.zeros((k, k))
-        self.xy = np.zeros(k)
+        self.xx = [[0.0] * k for _ in range(k)]
+        self.xy = [0.0] * k
         self.kinds = [0.0, 0.0]  # decayed steps without and with the draft model
+        self._solved: tuple[float, ...] | None = None
+        self._stale = True  # observed since the last solve
 
     def observe(self, outcome: StepOutcome) -> None:
         w = float(outcome.num_padded_tokens)
         if w <= 0 or outcome.step_time <= 0:
             return
         forwards = float(outcome.draft_forwards) if self.with_draft else 0.0
-        x = np.array([1.0, w, forwards][:len(self.xy)])
-        self.xx = self.decay * self.xx + np.outer(x, x)
+        x = (1.0, w, forwards)[:len(self.xy)]
         # the draft model's catch-up is priced per row by the policy that uses this line
-        self.xy = self.decay * self.xy + x * (outcome.step_time - outcome.catch_up_time)
-        self.kinds = [self.decay * c for c in self.kinds]
+        y = outcome.step_time - outcome.catch_up_time
+        d = self.decay
+        for i, xi in enumerate(x):
+            row = self.xx[i]
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + xi * xj
+            self.xy[i] = d * self.xy[i] + xi * y
+        self.kinds = [d * c for c in self.kinds]
         self.kinds[forwards > 0] += 1.0
+        self._stale = True
 
-    def coefficients(self) -> np.ndarray | None:
+    def coefficients(self) -> tuple[float, ...] | None:
         """(a, b[, c]) once the steps seen tell them apart, else None."""
-        n = self.xx[0, 0]
+        if self._stale:
+            self._solved, self._stale = self._solve(), False
+        return self._solved
+
+    def _solve(self) -> tuple[float, ...] | None:
+        xx = self.xx
+        n = xx[0][0]
         if n < _MIN_STEPS:
             return None
-        mean_w = self.xx[0, 1] / n
-        if self.xx[1, 1] / n - mean_w * mean_w <= (_MIN_REL_SPREAD * mean_w) ** 2:
+        mean_w = xx[0][1] / n
+        if xx[1][1] / n - mean_w * mean_w <= (_MIN_REL_SPREAD * mean_w) ** 2:
             return None
         if self.with_draft and min(self.kinds) < _MIN_KIND:
             return None
-        scale = np.sqrt(np.diag(self.xx))  # solve in units where the columns are comparable
-        try:
-            beta = np.linalg.solve(self.xx / np.outer(scale, scale), self.xy / scale) / scale
-        except np.linalg.LinAlgError:
+        k = len(self.xy)
+        # in units where the columns are comparable (a 1 and a width of hundreds)
+        scale = [math.sqrt(xx[i][i]) for i in range(k)]
+        if min(scale) <= 0.0:
             return None
-        return np.maximum(beta, 0.0)
+        m = [[xx[i][j] / (scale[i] * scale[j]) for j in range(k)] + [self.xy[i] / scale[i]]
+             for i in range(k)]
+        for col in range(k):  # Gaussian elimination with partial pivoting
+            pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+            if abs(m[pivot][col]) < 1e-12:
+                return None  # singular: the widths or forwards seen cannot tell the terms apart
+            m[col], m[pivot] = m[pivot], m[col]
+            for r in range(col + 1, k):
+                f = m[r][col] / m[col][col]
+                for j in range(col, k + 1):
+                    m[r][j] -= f * m[col][j]
+        beta = [0.0] * k
+        for i in range(k - 1, -1, -1):
+            beta[i] = (m[i][k] - sum(m[i][j] * beta[j] for j in range(i + 1, k))) / m[i][i]
+        return tuple(max(b / s, 0.0) for b, s in zip(beta, scale))
