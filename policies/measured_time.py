@@ -96,6 +96,7 @@ class StepLine:
         self.kinds = [0.0, 0.0]  # decayed steps without and with the draft model
         self._solved: tuple[float, ...] | None = None
         self._stale = True  # observed since the last solve
+        self._draft_cost: float | None = None  # c, when last told from the steps
 
     def observe(self, outcome: StepOutcome) -> None:
         w = float(outcome.num_padded_tokens)
@@ -122,32 +123,52 @@ class StepLine:
         return self._solved
 
     def _solve(self) -> tuple[float, ...] | None:
-        xx = self.xx
+        xx, xy = self.xx, self.xy
         n = xx[0][0]
         if n < _MIN_STEPS:
             return None
         mean_w = xx[0][1] / n
         if xx[1][1] / n - mean_w * mean_w <= (_MIN_REL_SPREAD * mean_w) ** 2:
             return None
-        if self.with_draft and min(self.kinds) < _MIN_KIND:
+        if not self.with_draft:
+            return _least_squares([row[:2] for row in xx[:2]], xy[:2])
+        if min(self.kinds) >= _MIN_KIND:
+            beta = _least_squares(xx, xy)
+            if beta is not None:
+                self._draft_cost = beta[2]
+            return beta
+        # Steps of one kind only lately (the draft model idle, say): its cost per forward is
+        # the one measured last, and the line is fitted to the steps less that cost. Without
+        # this the fit would give up, and the policy would explore the model again at its
+        # longest draft, the costliest step there is.
+        c = self._draft_cost
+        if c is None:
             return None
-        k = len(self.xy)
-        # in units where the columns are comparable (a 1 and a width of hundreds)
-        scale = [math.sqrt(xx[i][i]) for i in range(k)]
-        if min(scale) <= 0.0:
-            return None
-        m = [[xx[i][j] / (scale[i] * scale[j]) for j in range(k)] + [self.xy[i] / scale[i]]
-             for i in range(k)]
-        for col in range(k):  # Gaussian elimination with partial pivoting
-            pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
-            if abs(m[pivot][col]) < 1e-12:
-                return None  # singular: the widths or forwards seen cannot tell the terms apart
-            m[col], m[pivot] = m[pivot], m[col]
-            for r in range(col + 1, k):
-                f = m[r][col] / m[col][col]
-                for j in range(col, k + 1):
-                    m[r][j] -= f * m[col][j]
-        beta = [0.0] * k
-        for i in range(k - 1, -1, -1):
-            beta[i] = (m[i][k] - sum(m[i][j] * beta[j] for j in range(i + 1, k))) / m[i][i]
-        return tuple(max(b / s, 0.0) for b, s in zip(beta, scale))
+        line = _least_squares([row[:2] for row in xx[:2]],
+                              [xy[0] - c * xx[0][2], xy[1] - c * xx[1][2]])
+        return None if line is None else (*line, c)
+
+
+def _least_squares(xx: list[list[float]], xy: list[float]) -> tuple[float, ...] | None:
+    """The coefficients (each at least 0) that solve the normal equations xx·β = xy of a small
+    least-squares fit, by elimination in units where the columns are comparable (a 1 and a
+    width of hundreds); None where they cannot be told apart."""
+    k = len(xy)
+    scale = [math.sqrt(xx[i][i]) for i in range(k)]
+    if min(scale) <= 0.0:
+        return None
+    m = [[xx[i][j] / (scale[i] * scale[j]) for j in range(k)] + [xy[i] / scale[i]]
+         for i in range(k)]
+    for col in range(k):  # Gaussian elimination with partial pivoting
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None  # singular: the steps seen cannot tell the terms apart
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, k):
+            f = m[r][col] / m[col][col]
+            for j in range(col, k + 1):
+                m[r][j] -= f * m[col][j]
+    beta = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        beta[i] = (m[i][k] - sum(m[i][j] * beta[j] for j in range(i + 1, k))) / m[i][i]
+    return tuple(max(b / s, 0.0) for b, s in zip(beta, scale))

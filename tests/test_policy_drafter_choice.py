@@ -158,6 +158,31 @@ def test_step_line_tells_the_draft_models_cost_from_whole_steps():
     assert c == pytest.approx(1e-3, rel=0.05)
 
 
+def test_step_line_keeps_the_draft_models_cost_while_the_model_idles():
+    """Once told, the draft model's cost per forward outlives the steps it was told from: a
+    line that forgot it would leave the policy unable to price any step, and `auto` would
+    explore the model again at its longest draft, the costliest step there is."""
+    from jspec.policies.measured_time import StepLine
+
+    line = StepLine(with_draft=True)
+    rng = np.random.default_rng(1)
+    view = make_view(4)
+
+    def step(width, forwards, a=0.004):
+        out = make_outcome(view, [forwards] * 4, [0] * 4, num_padded_tokens=width,
+                           step_time=a + 2e-5 * width + 1e-3 * forwards + rng.normal(0, 1e-5))
+        return dataclasses.replace(out, model_forwards=forwards)
+
+    for _ in range(20):
+        line.observe(step(int(rng.integers(8, 64)), int(rng.integers(0, 2)) * 2))
+    assert line.coefficients()[2] == pytest.approx(1e-3, rel=0.05)
+    for _ in range(500):  # the model idles while the target's fixed cost moves
+        line.observe(step(int(rng.integers(8, 64)), 0, a=0.006))
+    a, b, c = line.coefficients()
+    assert a == pytest.approx(0.006, rel=0.05) and b == pytest.approx(2e-5, rel=0.05)
+    assert c == pytest.approx(1e-3, rel=0.05)
+
+
 def test_a_drafter_left_out_is_tried_again_as_its_evidence_ages():
     """The draft model drafted badly for a while; while only the lookup drafts, the judged
     tokens behind the model's rate age (idle_decay), its bound widens, and its rate at the
