@@ -236,15 +236,20 @@ def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
         _learn(choice, view, [MODEL], [3])
     times = _times(1e-4, 1e-4)
     assert choice.plan(view, MODEL, (SUFFIX,), BUCKETS, times).drafters.tolist() == [SUFFIX]
-    assert choice.calibration(SUFFIX) == 1.0
+    assert choice.calibration(SUFFIX, 4).tolist() == [1.0] * 4
     for _ in range(30):
         plan = choice.plan(view, MODEL, (SUFFIX,), BUCKETS, times)
         if plan.drafters[0] != SUFFIX:
             break
         _learn(choice, view, [SUFFIX], [1])
-    assert choice.calibration(SUFFIX) < 0.5
+    # per depth: the first token was always accepted, the second never, the rest never judged
+    first, second, *rest = choice.calibration(SUFFIX, 4)
+    assert first == pytest.approx(1.0) and second < 0.5 and rest == [1.0, 1.0]
     assert choice.plan(view, MODEL, (SUFFIX,), BUCKETS, times).drafters.tolist() == [MODEL]
     state = choice.state_dict()  # the calibration is saved with the rates
     fresh = DrafterChoice(alpha0=0.6, confidence_z=0.0)
     fresh.load_state_dict(state)
-    assert fresh.calibration(SUFFIX) == pytest.approx(choice.calibration(SUFFIX))
+    assert fresh.calibration(SUFFIX, 4) == pytest.approx(choice.calibration(SUFFIX, 4))
+    # a state saved with one factor for whole drafts: the factor of the first depth
+    fresh.load_state_dict({**state, "calibration": {str(SUFFIX): [1.0, 4.0]}})
+    assert fresh.calibration(SUFFIX, 2) == pytest.approx([5 / 8, 1.0])
