@@ -39,6 +39,8 @@ BENCHMARKS = {
              "stage, decode and prefill"),
     "drafters": ("jspec.bench.drafters", "every drafter of a target side by side on held-out "
                  "code: acceptance, draft cost, throughput at B = 1 and 32"),
+    "oracle": ("jspec.bench.oracle", "policies one request at a time, taking turns per prompt, "
+               "against the best fixed choice and the per-request oracle over the fixed ones"),
     "pair": ("jspec.bench.pair", "acceptance and cost of a target/draft pair on held-out code"),
     "kernels": ("jspec.bench.kernels", "Pallas kernels vs references vs the bandwidth roofline"),
     "serving": ("jspec.bench.serving", "online serving: policies side by side on a workload "
