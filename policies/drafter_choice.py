@@ -255,6 +255,11 @@ class DrafterChoice:
         """One row's evidence on lookup ``d``'s estimates: the depths the target judged (the
         accepted ones and the first rejection), each token's estimate given those before it."""
         judged = min(accepted + 1, verified)
+        known = np.isfinite(probs[:judged])
+        if not known.all():  # the step drafted past the surveyed draft (redrawn after a commit)
+            judged = int(np.argmin(known))
+            if not judged:
+                return
         given = probs[:judged] / np.concatenate([[1.0], probs[:judged - 1]])
         acc, pred = self._calibration.get(d, (np.zeros(0), np.zeros(0)))
         if len(acc) < judged:

@@ -250,6 +250,14 @@ def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
     fresh = DrafterChoice(alpha0=0.6, confidence_z=0.0)
     fresh.load_state_dict(state)
     assert fresh.calibration(SUFFIX, 4) == pytest.approx(choice.calibration(SUFFIX, 4))
+    # a row verified past its estimates (its draft redrawn after the survey) teaches only the
+    # depths the estimates cover
+    before = choice.calibration(SUFFIX, 4)
+    choice._predicted = {view.request_ids[0]: (SUFFIX, np.array([0.5, np.nan, np.nan, np.nan]))}
+    _learn(choice, view, [SUFFIX], [3])
+    after = choice.calibration(SUFFIX, 4)
+    assert np.isfinite(after).all() and after[0] > before[0]
+    assert after[1] == pytest.approx(before[1], rel=0.01)  # older evidence decayed, no more
     # a state saved with one factor for whole drafts: the factor of the first depth
     fresh.load_state_dict({**state, "calibration": {str(SUFFIX): [1.0, 4.0]}})
     assert fresh.calibration(SUFFIX, 2) == pytest.approx([5 / 8, 1.0])
