@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from jspec.config import MODEL_METHODS, parse_methods
+from jspec.config import drafts_with_model, parse_methods
 
 # EngineConfig fields that map one-to-one onto `--flag` options; unset flags keep the config's
 # default.
@@ -166,7 +166,7 @@ def parse_policy_options(items: list[str]) -> dict[str, Any]:
 def _lookup_only(args: argparse.Namespace) -> bool:
     """Whether --speculative-method names only drafters without a model."""
     return args.speculative_method is not None and \
-        not any(m in MODEL_METHODS for m in parse_methods(args.speculative_method))
+        not drafts_with_model(args.speculative_method)
 
 
 def check_model_arguments(args: argparse.Namespace) -> dict[str, Any]:

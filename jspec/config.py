@@ -186,6 +186,12 @@ def parse_methods(spelling) -> tuple[str, ...]:
     return tuple(sorted(methods, key=lambda m: m not in MODEL_METHODS))
 
 
+def drafts_with_model(spelling) -> bool:
+    """Whether a ``speculative_method`` names a model among its drafters (a draft model or an
+    EAGLE head); without one, lookups draft from the target's tokens alone."""
+    return any(m in MODEL_METHODS for m in parse_methods(spelling))
+
+
 def resolve_elastic_pool_layout(layout: str) -> str:
     """'auto' -> 'segments' where the device has memory of its own (GPU, TPU), 'preallocated' on
     XLA:CPU, where "device" and host memory are the same RAM: offloading the draft frees

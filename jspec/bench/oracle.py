@@ -70,7 +70,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _engines(args: argparse.Namespace, runs: list[dict]) -> list:
-    from jspec.config import MODEL_METHODS, parse_methods
+    from jspec.config import drafts_with_model
     from jspec.llm import LLM
 
     # no request asks for logprobs: none compiled
@@ -81,9 +81,9 @@ def _engines(args: argparse.Namespace, runs: list[dict]) -> list:
             options[name] = getattr(args, name)
     llms = []
     for run in runs:
-        methods = parse_methods(run["engine"].get("speculative_method", "draft_model"))
         # lookups alone draft from the target: no draft model
-        draft = args.draft if any(m in MODEL_METHODS for m in methods) else None
+        method = run["engine"].get("speculative_method", "draft_model")
+        draft = args.draft if drafts_with_model(method) else None
         llm = LLM(target=args.target, draft=draft, policy=run["name"],
                   policy_options=run["options"], use_tqdm=False, **options, **run["engine"])
         steps = [0]
@@ -136,6 +136,7 @@ def compare(seconds: np.ndarray, steps: np.ndarray, labels: list[str], fixed: li
 
 def run(args: argparse.Namespace) -> int:
     from jspec.bench.serving import parse_policies
+    from jspec.sampling_params import SamplingParams
 
     _check(args)
     runs = parse_policies(args.policy, [], args.num_speculative_tokens)
@@ -143,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
     fixed = [r["name"] in FIXED for r in runs]
     llms = _engines(args, runs)
     prompts = _prompts(args, llms[0][0].tokenizer)
-    from jspec.sampling_params import SamplingParams
-
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for llm, steps in llms:
         for p in prompts[:args.warmup_prompts]:

@@ -92,7 +92,7 @@ from typing import Any
 from jspec.bench import arrivals as arr
 from jspec.bench import workloads as wl
 from jspec.cli_common import add_tensor_parallel_argument
-from jspec.config import MODEL_METHODS, parse_methods
+from jspec.config import drafts_with_model, parse_methods
 from jspec.bench.serving_metrics import (RequestRecord, StepRecords, category_metrics,
                                          compute_metrics, gamma_by_batch, summarize,
                                          time_series, turn_metrics)
@@ -649,8 +649,7 @@ def make_engine(args: argparse.Namespace, policy: dict, engine_kwargs: dict):
         target, draft = synthetic_models(args.synthetic, resolve_dtype(engine_kwargs["dtype"]))
         tokenizer = default_pair()[0]
     options = {**engine_kwargs, **policy.get("engine", {})}
-    methods = parse_methods(options.get("speculative_method", "draft_model"))
-    if not any(m in MODEL_METHODS for m in methods):
+    if not drafts_with_model(options.get("speculative_method", "draft_model")):
         draft = None  # lookups draft: the target alone
     engine = build_engine(target, draft, tokenizer=tokenizer, policy=policy["name"],
                           policy_options=policy["options"], warmup=False, **options)
