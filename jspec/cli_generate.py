@@ -118,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
     describe_models(args)
     # The engine's shapes come from its options alone, never from the prompts, so a run with
     # any number of prompts loads the executables an earlier run of the same models and options
-    # compiled (XLA's persistent compilation cache). Its requests never ask for logprobs:
-    # compile nothing for them unless told.
+    # compiled (XLA's persistent compilation cache); the warm-up compiles only those that as many
+    # sequences as there are prompts reach (one sample each). Its requests never ask for
+    # logprobs: compile nothing for them unless told.
     options = {"max_logprobs": 0, **engine_kwargs(args)}
     llm = LLM(target=args.target, draft=args.draft, tokenizer=args.tokenizer, policy=args.policy,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if sync is not None:
         llm.engine.set_step_sync(sync)
     if not args.no_warmup:
-        warmup(llm.engine, progress and (sync is None or sync.leader))
+        warmup(llm.engine, progress and (sync is None or sync.leader), max_rows=len(prompts))
     if sync is not None and not sync.leader:
         distributed.follow(llm.engine)  # process 0 prints the results
         return 0

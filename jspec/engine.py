@@ -187,8 +187,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def warmup(self, progress=None, max_rows: int | None = None) -> int:
-        """Compile every shape the engine can reach (``max_rows``: only the decode-only steps
-        that steps of at most that many sequences use); returns how many. Then freeze the heap
+        """Compile every shape the engine can reach (``max_rows``: only those that steps of at
+        most that many sequences reach); returns how many. Then freeze the heap
         (``freeze_heap``)."""
         n = self.runner.warmup(progress, max_rows)
         freeze_heap()

@@ -879,7 +879,8 @@ class ModelRunner:
     def bucket_plan(self, max_rows: int | None = None) -> list[tuple]:
         """Every (kind, shape...) the engine can reach (``EngineConfig`` and
         ``ResolvedConfig.verify_tokens`` say why the shapes are these); with ``max_rows``, only
-        the decode-only steps of row buckets that steps of at most that many sequences use.
+        those that steps of at most that many sequences reach: the decode-only steps of their row
+        buckets, and with one, no step that carries prefill beside a draft.
 
         Decode-only steps: per (row bucket s, γ bucket g) one verify-and-sample of s * (1 + g)
         tokens (for g > 0 one per kind of draft: a pool model's, with its distribution, a
@@ -902,6 +903,9 @@ class ModelRunner:
         gammas = [0] + drafting
         widest = rc.seq_buckets[-1]
         rows = rc.seq_buckets
+        # at most this many sequences at once: with one, no step mixes prefill and drafts
+        together = rc.engine.max_num_seqs if max_rows is None \
+            else min(max_rows, rc.engine.max_num_seqs)
         if max_rows is not None:
             rows = [b for b in rows if b <= rc.seq_bucket(max_rows)]
         plan = []
@@ -916,15 +920,15 @@ class ModelRunner:
             if self.logprobs_width:
                 plan += [("logprobs", s, g) for g in gammas]
         # prefill next to a drafting sequence needs two sequences at least
-        mixed = gammas if rc.engine.max_num_seqs >= 2 else [0]
+        mixed = gammas if together >= 2 else [0]
         plan += [("verify", t, widest, g) for g in mixed for t in rc.token_buckets]
-        if self.lookup and rc.engine.max_num_seqs >= 2:
+        if self.lookup and together >= 2:
             # decode-only steps of lookups' drafts at a token bucket narrower than the widest
             # rows' fused width (ResolvedConfig.decode_verify_width)
             plan += [("verify", t, widest, g, False, True) for g in drafting
                      for t in rc.token_buckets if t < widest * (1 + g)]
         plan += [("accept", widest, 0)]
-        if rc.engine.max_num_seqs >= 2:
+        if together >= 2:
             plan += [("accept", widest, g) + ((k,) if k != "dist" else ())
                      for k in kinds for g in drafting]
         if drafting:

@@ -20,9 +20,11 @@ class WarmupCancelled(Exception):
     start)."""
 
 
-def warmup(engine, progress: bool, should_stop: Callable[[], bool] | None = None) -> None:
-    """Compile every shape bucket of an LLMEngine, with a progress bar and a closing line on
-    stderr when ``progress``; then give a cost-model policy its step-time profile
+def warmup(engine, progress: bool, should_stop: Callable[[], bool] | None = None,
+           max_rows: int | None = None) -> None:
+    """Compile every shape bucket of an LLMEngine (with ``max_rows``, those that steps of at
+    most that many sequences reach: ``LLMEngine.warmup``), with a progress bar and a closing line
+    on stderr when ``progress``; then give a cost-model policy its step-time profile
     (``LLMEngine.ensure_profile``)."""
     from tqdm.auto import tqdm
 
@@ -39,7 +41,7 @@ def warmup(engine, progress: bool, should_stop: Callable[[], bool] | None = None
             raise WarmupCancelled(f"warm-up stopped after {done} of {total} shape buckets")
 
     try:
-        n = engine.warmup(step)
+        n = engine.warmup(step, max_rows)
     finally:
         bar.close()
     if progress:

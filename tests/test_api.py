@@ -208,18 +208,54 @@ def test_warmup_progress_can_be_disabled(tiny_pair, tiny_llm, capsys):
 
 def test_a_warmup_bounded_by_rows_compiles_the_narrow_decode_steps_and_every_other_shape(
         tiny_llm):
-    """``warmup(max_rows=n)`` (the GPU serving sweep's, per concurrency level) keeps every shape
-    a step of at most n sequences can take: the decode-only steps of the row buckets up to n's,
-    and every prefill, sampling and catch-up shape (those run at the widest row bucket)."""
+    """``warmup(max_rows=n)`` (the GPU serving sweep's, per concurrency level; `jspec generate`'s
+    with n prompts) keeps every shape a step of at most n sequences can take: the decode-only
+    steps of the row buckets up to n's, and every prefill, sampling and catch-up shape (those run
+    at the widest row bucket), less, with one sequence, the steps that carry prefill beside a
+    draft."""
     runner = tiny_llm.engine.runner
     rc = runner.rc
     full = runner.bucket_plan()
-    narrow = runner.bucket_plan(max_rows=1)
     decode = {"verify_accept", "draft", "intermediate", "signals", "logprobs"}
-    assert len(rc.seq_buckets) > 1 and set(narrow) < set(full)
-    assert {item for item in full if item[0] not in decode} <= set(narrow)
-    assert {item[1] for item in narrow if item[0] in decode} == {rc.seq_bucket(1)}
+    for rows in (1, 2):
+        narrow = runner.bucket_plan(max_rows=rows)
+        assert len(rc.seq_buckets) > 1 and set(narrow) < set(full)
+        assert {item[1] for item in narrow if item[0] in decode} == \
+            {b for b in rc.seq_buckets if b <= rc.seq_bucket(rows)}
+        others = {item for item in full if item[0] not in decode}
+        # ("verify", tokens, rows, γ) and ("accept", rows, γ): γ > 0 only beside a draft
+        beside_a_draft = {item for item in others if item[0] in ("verify", "accept")
+                          and item[3 if item[0] == "verify" else 2] > 0}
+        assert beside_a_draft
+        assert others - beside_a_draft <= set(narrow)
+        assert bool(beside_a_draft & set(narrow)) == (rows > 1)
+    assert runner.bucket_plan(max_rows=2) == [item for item in full if item[0] not in decode
+                                              or item[1] <= rc.seq_bucket(2)]
     assert runner.bucket_plan(max_rows=rc.engine.max_num_seqs) == full
+
+
+@pytest.mark.parametrize("policy,method", [("static", "draft_model"), ("auto", "draft_model"),
+                                           ("auto", "draft_model+ngram+suffix")])
+def test_one_sequence_runs_only_the_shapes_a_warmup_for_one_row_compiled(tiny_pair, policy,
+                                                                        method):
+    """`jspec generate` with one prompt warms up with ``max_rows=1``: one sequence at a time
+    (chunked prompt, greedy and sampled rows, every γ the policy plays) reaches no shape that
+    warm-up left out (none is added to the runner's executables)."""
+    from jspec.llm import LLM
+
+    llm = LLM(*tiny_pair, policy=policy, speculative_method=method, use_tqdm=False,
+              warmup=False, **LLM_KW)
+    runner = llm.engine.runner
+    llm.engine.warmup(max_rows=1)
+    shapes = set(runner._local)
+    long_prompt = [5 + i % 50 for i in range(LLM_KW["max_num_batched_tokens"] + 27)]  # 2 chunks
+    for prompt, temperature in ((PROMPTS[0], 0.0), (long_prompt, 0.0), (PROMPTS[1], 0.9)):
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=temperature,
+                                                       seed=1, ignore_eos=True),
+                              use_tqdm=False)
+        assert len(out.token_ids) == 24
+    assert llm.engine.metrics.spec_decode_num_draft_tokens > 0
+    assert set(runner._local) == shapes, sorted(set(runner._local) - shapes, key=str)
 
 
 def test_chat_applies_the_template(tiny_llm):
