@@ -42,7 +42,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculation")
-    spec.add_argument("--policy", default="static",
+    spec.add_argument("--policy", default="auto",
                       help="speculation policy: auto (adapts to load), static (fixed γ), off, "
                            "nightjar, dsde, adaspec, dsd, ucb, adaedl, heuristic "
                            "(default: %(default)s)")

@@ -41,7 +41,7 @@ class EngineConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_max_cached_requests: int = 1000
-    policy: str = "static"
+    policy: str = "auto"
     policy_options: tuple[tuple[str, Any], ...] = ()
     enable_chunked_prefill: bool = True
     # "auto": see resolve_dtype (bf16 unless on a CPU backend without jspec.platform's flag);

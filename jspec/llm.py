@@ -352,7 +352,7 @@ class LLM:
 
     def __init__(self, target: str | os.PathLike | None = None,
                  draft: "str | os.PathLike | Seq[str | os.PathLike] | None" = None, *,
-                 policy: str = "static",
+                 policy: str = "auto",
                  num_speculative_tokens: int | None = None, dtype: str = "auto",
                  tokenizer: str | os.PathLike | None = None,
                  model: str | os.PathLike | None = None,

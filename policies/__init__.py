@@ -60,6 +60,10 @@ def check_options(name: str, options: dict[str, Any]) -> None:
                              f"num_speculative_tokens (--num-speculative-tokens) sets it")
         close = difflib.get_close_matches(key, accepted, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
+        owners = [] if close else [p for p in POLICIES if key in policy_options(p)]
+        if owners:  # e.g. gamma=3 under the default policy (auto), which chooses γ itself
+            hint = (f"; {key!r} is an option of polic{'y' if len(owners) == 1 else 'ies'} "
+                    f"{', '.join(map(repr, owners))}")
         takes = (f"its options are {', '.join(accepted)}" if accepted
                  else "it takes no options")
         raise ValueError(f"unknown option {key!r} for policy {name!r}{hint} ({takes})")

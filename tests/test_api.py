@@ -243,8 +243,8 @@ def test_one_sequence_runs_only_the_shapes_a_warmup_for_one_row_compiled(tiny_pa
     warm-up left out (none is added to the runner's executables)."""
     from jspec.llm import LLM
 
-    llm = LLM(*tiny_pair, policy=policy, speculative_method=method, use_tqdm=False,
-              warmup=False, **LLM_KW)
+    llm = LLM(*tiny_pair, speculative_method=method, use_tqdm=False, warmup=False,
+              **dict(LLM_KW, policy=policy))
     runner = llm.engine.runner
     llm.engine.warmup(max_rows=1)
     shapes = set(runner._local)

@@ -175,7 +175,7 @@ def test_unknown_policy(tiny_pair):
     with pytest.raises(ValueError, match=re.escape(
             "unknown policy 'nope'; known policies: adaedl, adaspec, auto, dsd, dsde, "
             "heuristic, nightjar, off, specrouter, static, ucb")):
-        LLM(target=target, draft=draft, policy="nope", **LLM_KW)
+        LLM(target=target, draft=draft, **dict(LLM_KW, policy="nope"))
 
 
 @pytest.mark.parametrize("policy, options, message", [
@@ -184,7 +184,11 @@ def test_unknown_policy(tiny_pair):
                             "(its options are gamma, chain)"),
     ("static", {"bogus": 1}, "unknown option 'bogus' for policy 'static' (its options are "
                              "gamma, chain)"),
-    ("off", {"gamma": 1}, "unknown option 'gamma' for policy 'off' (it takes no options)"),
+    ("off", {"gamma": 1}, "unknown option 'gamma' for policy 'off'; 'gamma' is an option of "
+                          "policy 'static' (it takes no options)"),
+    # the default policy chooses γ itself; a fixed γ is static's
+    ("auto", {"gamma": 3}, "unknown option 'gamma' for policy 'auto'; 'gamma' is an option of "
+                           "policy 'static' (its options are "),
     ("ucb", {"max_gamma": 3}, "max_gamma is not an option of policy 'ucb': the engine's "
                               "num_speculative_tokens"),
     ("nightjar", {"sed": 1}, "unknown option 'sed' for policy 'nightjar'; did you mean 'seed'? "
@@ -195,7 +199,7 @@ def test_bad_policy_options(tiny_pair, policy, options, message):
 
     target, draft = tiny_pair
     with pytest.raises(ValueError, match=re.escape(message)):
-        LLM(target=target, draft=draft, policy=policy, policy_options=options, **LLM_KW)
+        LLM(target=target, draft=draft, policy_options=options, **dict(LLM_KW, policy=policy))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -250,7 +254,7 @@ def test_draft_tokenizer_with_two_entries_swapped(tiny_pair, tmp_path):
             f"speculative decoding needs the same tokenizer")):
         LLM(target=target, draft=swapped, **LLM_KW)
     with pytest.raises(ValueError, match=re.escape("draft 'draft-swapped' vocabulary differs")):
-        LLM(target=target, draft=[draft, swapped], policy="specrouter", **LLM_KW)
+        LLM(target=target, draft=[draft, swapped], **dict(LLM_KW, policy="specrouter"))
 
 
 def test_draft_without_target(tiny_pair):

@@ -61,7 +61,7 @@ def test_engine_shapes_do_not_depend_on_the_prompt_count(capsys, monkeypatch, ti
     plans = []
 
     def record(llm, prompts, *args, **kwargs):
-        plans.append((llm.engine.rc, llm.engine.runner.bucket_plan()))
+        plans.append((llm.engine.rc, llm.engine.runner.bucket_plan(), llm.engine.policy.name))
         raise Stop
 
     monkeypatch.setattr(LLM, "generate", record)
@@ -76,6 +76,21 @@ def test_engine_shapes_do_not_depend_on_the_prompt_count(capsys, monkeypatch, ti
                     "--no-warmup", "--no-progress")
     assert plans[0] == plans[1] == plans[2]
     assert plans[0][0].engine.max_num_seqs == 16  # the engine's default, as in jspec serve
+    assert plans[0][2] == "auto"  # the default policy, as in jspec serve and LLM
+
+
+def test_the_default_policy_is_auto_everywhere():
+    import inspect
+
+    from jspec.cli import build_parser
+    from jspec.config import EngineConfig
+    from jspec.llm import LLM
+
+    parser = build_parser()
+    for command in ("generate", "serve"):
+        assert parser.parse_args([command]).policy == "auto", command
+    assert inspect.signature(LLM).parameters["policy"].default == "auto"
+    assert EngineConfig().policy == "auto"
 
 
 def test_prompts_file(capsys, tiny_pair, tmp_path):
@@ -84,7 +99,8 @@ def test_prompts_file(capsys, tiny_pair, tmp_path):
     path.write_text("def fibonacci(n):\n\nHello, world!\nThe engine serves\n")
     code, out, err = run_cli(capsys, "--target", target, "--draft", draft, *llm_cli_args(),
                              "--prompts-file", str(path), "--max-tokens", "4", "--no-progress",
-                             "--policy-option", "gamma=7", "--seed", "5", "--temperature", "0.8")
+                             "--policy", "static", "--policy-option", "gamma=7", "--seed", "5",
+                             "--temperature", "0.8")
     assert code == 0, err
     headers = [line for line in out.splitlines() if line.startswith("### prompt")]
     prompts = ["def fibonacci(n):", "Hello, world!", "The engine serves"]  # blank line skipped
@@ -168,9 +184,11 @@ def test_ngram_drafts_without_a_draft_model(capsys, tiny_pair):
     (["--policy", "nope"], "unknown policy 'nope'; known policies: adaedl, adaspec, auto, dsd, "
                              "dsde, heuristic, nightjar, off, specrouter, static, ucb"),
     (["--policy-option", "gamma"], "--policy-option expects KEY=VALUE, got 'gamma'"),
-    (["--policy-option", "gamma=99"], "gamma must be in [0, max_gamma=7], got 99"),
-    (["--policy-option", "gama=2"], "unknown option 'gama' for policy 'static'; did you mean "
-                                    "'gamma'? (its options are gamma, chain)"),
+    (["--policy", "static", "--policy-option", "gamma=99"],
+     "gamma must be in [0, max_gamma=7], got 99"),
+    (["--policy", "static", "--policy-option", "gama=2"],
+     "unknown option 'gama' for policy 'static'; did you mean 'gamma'? (its options are gamma, "
+     "chain)"),
     (["--prompt", "Hello", "--max-tokens", "500"], "max_tokens=500 is too large: the prompt has "),
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "word " * 200], "max_model_len is 128"),

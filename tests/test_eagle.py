@@ -227,7 +227,7 @@ def test_llm_loads_a_head_from_its_directory(tiny_pair, tmp_path):
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["def f(x):", "import os\n"]
     with_head = LLM(target=target_dir, speculative_config={
-        "method": "eagle3", "model": str(tmp_path / "head")}, policy="static", **LLM_KW)
+        "method": "eagle3", "model": str(tmp_path / "head")}, **LLM_KW)
     assert with_head.engine.runner.pool[0].eagle is not None
     plain = LLM(target=target_dir, draft=None, **LLM_KW)
     for a, b in zip(with_head.generate(prompts, greedy), plain.generate(prompts, greedy)):

@@ -124,7 +124,7 @@ def test_a_bad_policy_option_names_itself(capsys):
         make_policy("static", 4, gamma="abc")
     with pytest.raises(ValueError, match=r"dsde option sl_min must be in \[0, 4\], got 9"):
         make_policy("dsde", 4, sl_min=9)
-    assert main(["generate", "--policy-option", "gamma=abc"]) == 2
+    assert main(["generate", "--policy", "static", "--policy-option", "gamma=abc"]) == 2
     assert "static option gamma must be an integer, got 'abc'" in capsys.readouterr().err
 
 

@@ -91,8 +91,8 @@ def main() -> None:
         small = LoadedModel(small_cfg, init_params(small_cfg, seed=5, std=0.2), "small")
         for tp, speculate in runs:
             engine = LLMEngine(target, draft if speculate else None,
-                               EngineConfig(**ENGINE_KW, tensor_parallel_size=tp,
-                                            policy="static" if speculate else "off"))
+                               EngineConfig(**dict(ENGINE_KW, tensor_parallel_size=tp,
+                                                   policy="static" if speculate else "off")))
             before, t0 = compile_events(), time.perf_counter()
             for i, p in enumerate(prompts):
                 engine.add_request(str(i), p, sp)
