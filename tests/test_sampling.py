@@ -228,3 +228,22 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine_models, mi
         for out in engine2.step():
             alone = out
     assert alone.token_ids != first["3"].token_ids
+
+
+def test_rows_that_filter_nothing_skip_the_sort_with_the_same_logprobs():
+    """The vocabulary sort runs only when some row has top-k or top-p; a row with neither gets
+    exactly the same log-probabilities whether or not another row of its step filters (and
+    they are its tempered log-softmax)."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 2, 64)).astype(np.float32) * 3)
+    plain = _sampling_tensors(3, np.array([0.7, 1.0, 0.0]), 0, 1.0)
+    mixed = _sampling_tensors(3, np.array([0.7, 1.0, 0.8]), np.array([0, 0, 5]),
+                              np.array([1.0, 1.0, 0.9]))
+    alone = np.asarray(processed_logprobs(logits, plain))
+    beside = np.asarray(processed_logprobs(logits, mixed))
+    np.testing.assert_array_equal(alone[:2], beside[:2])
+    temps = np.array([0.7, 1.0])[:, None, None]
+    expected = np.asarray(jax.nn.log_softmax(logits[:2] / temps, axis=-1))
+    np.testing.assert_allclose(alone[:2], expected, rtol=1e-6, atol=1e-6)
+    # the filtering row keeps its 5 largest logits at most (top-p 0.9 of those)
+    assert ((beside[2] > -1e30).sum(axis=-1) <= 5).all()
