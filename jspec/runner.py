@@ -902,12 +902,11 @@ class ModelRunner:
         kinds = self.verify_kinds()
         gammas = [0] + drafting
         widest = rc.seq_buckets[-1]
-        rows = rc.seq_buckets
-        # at most this many sequences at once: with one, no step mixes prefill and drafts
+        # at most this many sequences at once (never more than the engine runs): their row
+        # buckets decode, and with one, no step mixes prefill and drafts
         together = rc.engine.max_num_seqs if max_rows is None \
             else min(max_rows, rc.engine.max_num_seqs)
-        if max_rows is not None:
-            rows = [b for b in rows if b <= rc.seq_bucket(max_rows)]
+        rows = [b for b in rc.seq_buckets if b <= rc.seq_bucket(together)]
         plan = []
         for s in rows:
             plan += [("verify_accept", s, 0)]

@@ -232,6 +232,8 @@ def test_a_warmup_bounded_by_rows_compiles_the_narrow_decode_steps_and_every_oth
     assert runner.bucket_plan(max_rows=2) == [item for item in full if item[0] not in decode
                                               or item[1] <= rc.seq_bucket(2)]
     assert runner.bucket_plan(max_rows=rc.engine.max_num_seqs) == full
+    # more prompts than the engine runs at once (`jspec generate` with many): every shape
+    assert runner.bucket_plan(max_rows=rc.engine.max_num_seqs + 5) == full
 
 
 @pytest.mark.parametrize("policy,method", [("static", "draft_model"), ("auto", "draft_model"),
