@@ -311,6 +311,8 @@ class LLMEngine:
         self._propose(st, clock)
         self._verify(st, clock, outputs)
         self.executor.accept(st, clock)
+        self.planner.after_dispatch(st)                 # drafters' host work, device busy
+        clock.lap("deferred")
         return outputs + self.overlap.finish(st)        # fetch → commit → observe, or in flight
 
     def _memory_tick(self) -> None:

@@ -222,6 +222,11 @@ class Planner:
 
         return width
 
+    def after_dispatch(self, st: StepState) -> None:
+        """``st``'s verification is running: each drafter's deferred host work."""
+        for proposer in self.spec.proposers.values():
+            proposer.after_dispatch(st)
+
     def _survey(self, decode_rows) -> dict[str, dict[int, np.ndarray]]:
         """What each lookup would draft for each decoding row, for a policy that reads it:
         ``BatchView.lookup_lengths`` and ``lookup_probs``."""

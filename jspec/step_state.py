@@ -19,8 +19,9 @@ from jspec.input_batch import RowWork
 from jspec.policies.base import BatchView, DraftPlan
 
 # The stages of a step, in order, as StageClock times them
+# ("deferred": drafters' host work that no draft waits for, done while the device verifies)
 STAGES = ("schedule", "plan", "catch_up", "draft", "intermediate", "verify", "accept", "signals",
-          "commit")
+          "deferred", "commit")
 
 
 @dataclasses.dataclass(eq=False)

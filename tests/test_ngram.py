@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ENGINE_VOCAB, make_engine, run_to_completion
+from conftest import ENGINE_KW, ENGINE_VOCAB, make_engine, run_to_completion
 from test_sampling import _exact_two_token_marginals, _sampling_tensors, chi2_rejects
 from jspec.proposers import SuffixTree, ngram_lookup
 from jspec.proposers.suffix import sequence_draft
@@ -170,11 +170,11 @@ def test_suffix_global_tree_holds_finished_outputs_and_evicts_the_oldest():
         s.output_token_ids = list(output)
         return s
 
-    # (propose registers the step's sequences in _running; here they are set directly)
+    # (survey and propose register the step's sequences; here they are set directly)
     prop = SuffixProposer(max_depth=8, max_spec_factor=2.0, min_token_prob=0.1,
                           max_cached_requests=1, max_num_seqs=4)
     first = seq("a", [1, 2], [7, 8, 9, 10, 11])
-    prop._running["a"] = first
+    prop._running[id(first)] = first
     fresh = seq("b", [5, 6, 7, 8])  # its own tokens never continue "7 8"
     assert prop.draft(fresh, 3) == []  # a is still running: not in the global tree
     first.status = SequenceStatus.FINISHED_STOPPED
@@ -182,9 +182,32 @@ def test_suffix_global_tree_holds_finished_outputs_and_evicts_the_oldest():
     assert prop.draft(fresh, 3) == [9, 10, 11]  # from a's output
     second = seq("c", [3], [20, 21, 22])
     second.status = SequenceStatus.FINISHED_LENGTH
-    prop._running["c"] = second
+    prop._running[id(second)] = second
     prop._retire_finished()  # one cached request at most: a's output goes
     assert prop.draft(fresh, 3) == [] and prop.draft(seq("d", [20, 21]), 2) == [22]
+
+
+@pytest.mark.parametrize("policy,method", [("static", "suffix"), ("auto", "ngram+suffix")])
+def test_every_finished_output_joins_the_global_suffix_tree_before_the_next_draft(
+        repeating_target, policy, method):
+    """A request's output joins suffix decoding's global tree once the request ends, whichever
+    drafter served its rows: in the next step, while its verification runs (a prefill-only
+    step here, in which nothing drafts)."""
+    from jspec.config import EngineConfig
+    from jspec.engine import LLMEngine
+
+    engine = LLMEngine(repeating_target, None,
+                       EngineConfig(**dict(ENGINE_KW, speculative_method=method, policy=policy)))
+    outs = run_to_completion(engine, _prompts(), GREEDY)
+    suffix = next(p for p in engine.planner.spec.proposers.values() if p.name == "suffix")
+    records = []
+    engine.add_step_listener(records.append)
+    # the same request ids again, one token each: prefill steps only
+    run_to_completion(engine, [[40, 41, 42]] * 3, SamplingParams(max_tokens=1))
+    assert records and not any(r.gamma_bucket for r in records)
+    for i, out in outs.items():
+        assert suffix.global_tree.count(out.token_ids[:4]) >= 1, f"request {i}"
+    assert suffix.global_tree.count([40, 41, 42]) == 0  # their requests are not over yet
 
 
 def test_survey_skips_a_token_still_on_device_and_keeps_drafts_for_the_step():

@@ -51,6 +51,11 @@ class Proposer(abc.ABC):
     def read_back(self, st: "StepState") -> None:
         """After the step's transfer: bring the proposer's own device outputs to the host."""
 
+    def after_dispatch(self, st: "StepState") -> None:
+        """Host work that no draft waits for, run once each step's verification is on the
+        device (``st``, whichever drafters it uses): there it overlaps the device's pass
+        instead of delaying the next draft. Nothing by default."""
+
     @abc.abstractmethod
     def commit_row(self, st: "StepState", row: int, seq: "Sequence", old_num_tokens: int,
                    num_accepted: int, num_drafted: int) -> None:

@@ -257,15 +257,19 @@ class SuffixProposer(LookupProposer):
         self.max_cached_requests = max_cached_requests
         super().__init__(max_num_seqs, tokens)
         self.global_tree = SuffixTree(max_depth)
-        self._running: dict[str, object] = {}  # sequences drafted for, until they finish
+        # the steps' sequences (``after_dispatch``), until they end; by object, as a request
+        # id may be used again once its request ended
+        self._running: dict[int, object] = {}
         # the finished requests' outputs the global tree holds, oldest first
         self._cached: collections.deque[list[int]] = collections.deque()
 
     def _retire_finished(self) -> None:
-        """Outputs of the requests that finished since the last step into the global tree."""
-        for rid, seq in list(self._running.items()):
+        """Outputs of the requests that finished since the last step into the global tree.
+        ~4 ms of Python per 128-token output (depth 24), so it runs after the step's
+        verification is dispatched (``after_dispatch``), never before a draft."""
+        for key, seq in list(self._running.items()):
             if seq.status.finished:
-                del self._running[rid]
+                del self._running[key]
                 output = list(seq.output_token_ids)
                 self.global_tree.add(output)
                 self._cached.append(output)
@@ -284,8 +288,9 @@ class SuffixProposer(LookupProposer):
                                        self.max_spec_factor, self.min_token_prob)
         return other if sum(other[1]) > sum(own[1]) else own
 
-    def propose(self, st) -> None:
+    def after_dispatch(self, st) -> None:
+        """Every sequence of every step has its output join the global tree when it ends,
+        whichever drafter served it (or none)."""
+        for row in st.rows:
+            self._running[id(row.seq)] = row.seq
         self._retire_finished()
-        for row in st.rows:  # every scheduled request's output joins the tree when it ends
-            self._running[row.seq.request_id] = row.seq
-        super().propose(st)
