@@ -204,6 +204,7 @@ class Planner:
                  for r in decode_rows], np.int64),
             prefill_backlog_tokens=backlog_tokens,
             prefill_backlog_requests=backlog_requests,
+            lookahead_tokens=sum(r.lookahead for r in decode_rows),
             **self._survey(decode_rows),
             verify_width=self._verify_width(len(decode_rows), st.num_prefill_tokens),
         )

@@ -60,6 +60,9 @@ class BatchView:
     # free one waiting for them (not those queued for a slot), and how many such requests
     prefill_backlog_tokens: int = 0
     prefill_backlog_requests: int = 0
+    # token budget the schedule reserved for the decoding rows' drafts (Σ lookahead slots);
+    # what a plan leaves unused goes to prompts (``displaced_prompt_tokens``)
+    lookahead_tokens: int = 0
     # per lookup drafter (pool index): how many tokens it would draft now for each sequence,
     # at most Γmax; given to a policy that reads them (``Policy.reads_lookups``)
     lookup_lengths: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -76,6 +79,16 @@ class BatchView:
     @property
     def num_decode(self) -> int:
         return len(self.request_ids)
+
+    def displaced_prompt_tokens(self, drafted):
+        """Prompt tokens a plan that drafts ``drafted`` tokens in all (Σ γ_i; a number or an
+        array of candidates) keeps out of this step. The engine gives the lookahead budget a
+        plan leaves unused to the prompts that wait for it (``Scheduler.reclaim``), so while
+        prompt tokens wait each drafted token takes one's place, which a later step must run:
+        a plan should pay for it at the target's marginal cost per token."""
+        free, waiting = self.lookahead_tokens, self.prefill_backlog_tokens
+        return min(free, waiting) - np.minimum(np.maximum(free - np.asarray(drafted), 0),
+                                               waiting)
 
     @property
     def prefill_bound(self) -> bool:

@@ -8,9 +8,11 @@ the step at a width W the engine sets (``BatchView.verify_width``): n·(g + 1) t
 bucket g when the draft model drafts, and when only lookups draft, the token bucket of what
 they found, Σ(1 + γ_i), where that costs less (``ResolvedConfig.decode_verify_width``). So
 
-    T = a + b·W + c·f
+    T = a + b·(W + D) + c·f
 
-(a, b, c fitted on the run's own whole steps, ``measured_time.StepLine``), and given (g, f)
+(a, b, c fitted on the run's own whole steps, ``measured_time.StepLine``; D the prompt tokens
+the drafts keep out of the step while prompts wait for the token budget, which later steps
+run: ``BatchView.displaced_prompt_tokens``), and given (g, f)
 each row takes the drafter that yields it the most tokens:
 
     E_i(g, f) = max(1, Σ_{j=0..f} α_{i,model}^j if the model runs,
@@ -194,8 +196,10 @@ class DrafterChoice:
                                                   gammas.sum(axis=1).tolist(), runs.tolist())):
                 key = (total, b, r > 0)
                 w = widths.get(key)
-                if w is None:  # the width rule reads the drafts through their sum
-                    w = widths[key] = verify_width(gammas[k], buckets[b], r > 0)
+                if w is None:  # the width rule reads the drafts through their sum; the
+                    # prompt tokens the drafts keep out cost what as many verified tokens do
+                    w = widths[key] = (verify_width(gammas[k], buckets[b], r > 0)
+                                       + float(view.displaced_prompt_tokens(total)))
                 width.append(w)
             return np.asarray(step_time(np.array(width, np.float64), runs), np.float64), runs
 

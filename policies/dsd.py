@@ -116,8 +116,10 @@ class DSDPolicy(Policy):
         bucket of 4 verifies as wide as γ = 4), plus γ draft forwards at their measured cost
         (the profile's until a draft has run; the draft loop stops after γ). A prefill chunk in
         the step costs the same whatever γ; counted in T it would dilute speculation's cost and
-        favour it exactly when the chunk is large."""
-        width = view.num_decode * (self.padded_gamma(gammas) + 1)
+        favour it exactly when the chunk is large; the prompt tokens its drafts keep out of
+        the step count (``BatchView.displaced_prompt_tokens``), a later step runs them."""
+        n = view.num_decode
+        width = n * (self.padded_gamma(gammas) + 1) + view.displaced_prompt_tokens(n * gammas)
         return self._times(view, width, gammas, gammas)
 
     def _times(self, view: BatchView, width, forwards, profile_gammas):
@@ -148,7 +150,8 @@ class DSDPolicy(Policy):
         tokens = float(expected_tokens(self.planning_alpha, gammas).sum())
         mean = float(gammas.mean()) if gammas.size else 0.0
         longest = int(gammas.max(initial=0))
-        width = gammas.size * (int(self.padded_gamma(longest)) + 1)
+        width = (gammas.size * (int(self.padded_gamma(longest)) + 1)
+                 + float(view.displaced_prompt_tokens(int(gammas.sum()))))
         seconds = self._times(view, width, longest, mean)
         return tokens / float(seconds)
 

@@ -292,6 +292,27 @@ def test_dsd_goodput_argmax():
     assert expected_tokens(1.0, 3) == 4.0  # α = 1 needs no special case
 
 
+def test_dsd_pays_for_the_prompt_tokens_its_drafts_displace():
+    """On the run's own line (target 10 ms + 1 ms per token of width, a draft forward 1 ms),
+    a γ whose drafts take waiting prompt tokens' budget is charged 1 ms for each."""
+    import dataclasses
+
+    pol = DSDPolicy(max_gamma=4, profile=linear_profile(), alpha0=0.6, confidence_z=0)
+    view = make_view(2, max_gamma=4)
+    for w in (2, 4, 6, 8, 10, 2, 4, 6, 8, 10):
+        out = make_outcome(view, [w // 2 - 1] * 2, [0, 0])
+        pol.observe(dataclasses.replace(out, num_padded_tokens=w, step_time=0.011 + 1e-3 * w,
+                                        draft_time=0.001, model_forwards=1))
+    gammas = np.arange(5)
+    free = pol.step_times(view, gammas)
+    waiting = dataclasses.replace(view, lookahead_tokens=8, prefill_backlog_tokens=3)
+    # 2 rows x γ drafted tokens; a plain step gives 3 of the 8 reserved to the prompts
+    displaced = np.array([0, 0, 0, 1, 3])
+    assert pol.step_times(waiting, gammas) == pytest.approx(free + 1e-3 * displaced, rel=1e-6)
+    assert free == pytest.approx(0.01 + 1e-3 * 2 * (pol.padded_gamma(gammas) + 1)
+                                 + 1e-3 * gammas, rel=1e-6)
+
+
 def test_dsd_plans_with_an_upper_bound_until_acceptance_was_seen():
     """α0 = 0.3 says γ = 0 on the fixed-cost profile; the bound (1 with no evidence) says γ = 4,
     and once many judged tokens confirm a low α, γ = 0 again."""

@@ -98,6 +98,33 @@ def test_a_lone_long_lookup_drafts_where_the_engine_verifies_only_what_was_found
     assert plan.drafters.tolist() == [NGRAM] + [-1] * 7
 
 
+def test_the_prompt_tokens_drafts_displace_are_the_displaced_budget_while_prompts_wait():
+    view = dataclasses.replace(make_view(8), lookahead_tokens=32, prefill_backlog_tokens=20)
+    # a plain step gives 20 of the 32 reserved tokens to the waiting prompts: the first 12
+    # drafted tokens cost no prompt token, each one after that does
+    assert view.displaced_prompt_tokens(np.array([0, 12, 13, 20, 32])).tolist() == \
+        [0, 0, 1, 8, 20]
+    assert dataclasses.replace(view, prefill_backlog_tokens=0).displaced_prompt_tokens(32) == 0
+
+
+def test_drafts_in_a_prompts_padding_pay_for_the_prompt_tokens_they_displace():
+    """A step with a prompt chunk verifies at a token bucket whose padding drafts could fill
+    at no cost of its own; but while prompt tokens wait for the budget, each drafted token
+    takes one's place (a later step runs it), so a lookup that rarely hits drafts only where
+    nothing waits."""
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
+    view = dataclasses.replace(_view([4] * 8, num_prefill_tokens=24),
+                               verify_width=lambda gammas, g, model_drafts: 64)
+    for _ in range(30):  # about one drafted token in ten is accepted
+        _learn(choice, view, [NGRAM] * 8, [1] + [0] * 7)
+    times = _times(1e-3, 1e-3)
+    free = choice.plan(view, None, (NGRAM,), BUCKETS, times)  # nothing waits: padding is free
+    assert (free.gammas > 0).all() and (free.drafters == NGRAM).all()
+    waiting = dataclasses.replace(view, lookahead_tokens=32, prefill_backlog_tokens=500)
+    plan = choice.plan(waiting, None, (NGRAM,), BUCKETS, times)
+    assert plan.gammas.tolist() == [0] * 8
+
+
 def test_before_steps_can_be_priced_every_drafter_drafts_the_longest():
     choice = DrafterChoice(alpha0=0.6, confidence_z=2.0)
     view = _view([2, 0, 4])
@@ -261,3 +288,4 @@ def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
     # a state saved with one factor for whole drafts: the factor of the first depth
     fresh.load_state_dict({**state, "calibration": {str(SUFFIX): [1.0, 4.0]}})
     assert fresh.calibration(SUFFIX, 2) == pytest.approx([5 / 8, 1.0])
+
