@@ -54,7 +54,8 @@ class AutoPolicy(DSDPolicy):
         super().set_lookups(indices)
         self._choice = DrafterChoice(self.alpha0, self.confidence_z, self.idle_decay) \
             if self.lookups else None
-        self._line = StepLine(with_draft=self.model is not None)
+        self._line = StepLine(with_draft=self.model is not None,
+                              drafting_steps=self.model is None)
 
     @property
     def model(self) -> int | None:
@@ -96,17 +97,19 @@ class AutoPolicy(DSDPolicy):
                                  self._step_time(model is not None))
 
     def _step_time(self, with_model: bool):
-        """T(w, f): a step whose verify is w tokens wide and in which the draft model runs f
-        forwards, from the run's own whole-step line (``StepLine``); None for all until it
+        """T(w, f, d): a step whose verify is w tokens wide, in which the draft model runs f
+        forwards and (d) any row drafts, from the run's own whole-step line (``StepLine``: with
+        lookups alone its third term is the cost of a drafting step); None for all until it
         can tell the costs apart."""
         beta = self._line.coefficients()  # solved once per plan
         if beta is None:
-            return lambda width, forwards: None
+            return lambda width, forwards, drafts: None
         a, b, c = beta if len(beta) == 3 else (*beta, 0.0)
+        per_step = self._line.drafting_steps
 
-        def step_time(width, forwards):  # scalars or arrays of candidates
-            return a + b * np.asarray(width, np.float64) + (
-                c * np.asarray(forwards, np.float64) if with_model else 0.0)
+        def step_time(width, forwards, drafts):  # scalars or arrays of candidates
+            third = drafts if per_step else (forwards if with_model else 0.0)
+            return a + b * np.asarray(width, np.float64) + c * np.asarray(third, np.float64)
 
         return step_time
 

@@ -12,7 +12,8 @@ they found, Σ(1 + γ_i), where that costs less (``ResolvedConfig.decode_verify_
 
 (a, b, c fitted on the run's own whole steps, ``measured_time.StepLine``; D the prompt tokens
 the drafts keep out of the step while prompts wait for the token budget, which later steps
-run: ``BatchView.displaced_prompt_tokens``), and given (g, f)
+run: ``BatchView.displaced_prompt_tokens``; with lookups alone f is 1 for a step that drafts at
+all, whose host work no longer overlaps the device's), and given (g, f)
 each row takes the drafter that yields it the most tokens:
 
     E_i(g, f) = max(1, Σ_{j=0..f} α_{i,model}^j if the model runs,
@@ -111,11 +112,12 @@ class DrafterChoice:
     def plan(self, view: BatchView, model: int | None, lookups: tuple[int, ...],
              buckets: tuple[int, ...], step_time) -> DraftPlan:
         """The plan of greatest predicted goodput. ``model``: the draft model's pool index
-        (None: none, or away); ``buckets``: the drafting γ buckets; ``step_time(w, f)`` ->
-        seconds of a step whose verify is w tokens wide and in which the draft model runs f
-        forwards (0: it does not run; w and f may be arrays of candidates), or None while the run
+        (None: none, or away); ``buckets``: the drafting γ buckets; ``step_time(w, f, d)`` ->
+        seconds of a step whose verify is w tokens wide, in which the draft model runs f
+        forwards (0: it does not run) and (d) any row drafts (w, f and d may be arrays of
+        candidates), or None while the run
         cannot price steps yet (then the longest bucket, the draft model running every other
-        step, to learn both).
+        step, to learn both; with lookups alone, every other step plain).
 
         It runs on the host between two device passes of every step, so it is written as a
         few operations on [candidates, rows] arrays (their count, not the rows, is its cost
@@ -201,14 +203,19 @@ class DrafterChoice:
                     w = widths[key] = (verify_width(gammas[k], buckets[b], r > 0)
                                        + float(view.displaced_prompt_tokens(total)))
                 width.append(w)
-            return np.asarray(step_time(np.array(width, np.float64), runs), np.float64), runs
+            drafts = (chosen >= 0).any(axis=1)
+            return np.asarray(step_time(np.array(width, np.float64), runs, drafts),
+                              np.float64), runs
 
-        plain = step_time(verify_width(np.zeros(n, np.int64), 0, False), 0)
+        plain = step_time(verify_width(np.zeros(n, np.int64), 0, False), 0, False)
         if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
             self._explore += 1
-            model_gamma = top if model is not None and self._explore % 2 == 1 else 0
-            k = len(cand_m) - 1 - top + model_gamma if model is not None else len(cand_m) - 1
-            g, best = top, (*[x[k] for x in choose(True)[:2]], model_gamma)
+            odd = self._explore % 2 == 1
+            g, best = 0, None  # lookups alone: every other step plain (StepLine.drafting_steps)
+            if model is not None or odd:
+                model_gamma = top if model is not None and odd else 0
+                k = len(cand_m) - 1 - top + model_gamma if model is not None else len(cand_m) - 1
+                g, best = top, (*[x[k] for x in choose(True)[:2]], model_gamma)
         else:
             worth = True
             if gain is not None and catch_up.any():  # the model's rows worth their catch-up

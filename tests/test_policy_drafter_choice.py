@@ -24,7 +24,8 @@ def _view(lengths, **kw):
 
 def _times(target_per_token: float, draft_forward: float, fixed: float = 0.01):
     """T(w, f) of a step verifying w tokens in which the draft model runs f forwards."""
-    return lambda width, forwards: fixed + target_per_token * width + forwards * draft_forward
+    return lambda width, forwards, drafts: (fixed + target_per_token * width
+                                            + forwards * draft_forward)
 
 
 def _learn(choice: DrafterChoice, view, drafters, accepted, gamma: int = 4):
@@ -128,7 +129,7 @@ def test_drafts_in_a_prompts_padding_pay_for_the_prompt_tokens_they_displace():
 def test_before_steps_can_be_priced_every_drafter_drafts_the_longest():
     choice = DrafterChoice(alpha0=0.6, confidence_z=2.0)
     view = _view([2, 0, 4])
-    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, lambda g, forwards: None)
+    plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, lambda g, forwards, drafts: None)
     assert plan.gammas.tolist() == [4, 4, 4]
     assert plan.drafters.tolist() == [MODEL, MODEL, NGRAM]
 
@@ -208,6 +209,23 @@ def test_step_line_keeps_the_draft_models_cost_while_the_model_idles():
     a, b, c = line.coefficients()
     assert a == pytest.approx(0.006, rel=0.05) and b == pytest.approx(2e-5, rel=0.05)
     assert c == pytest.approx(1e-3, rel=0.05)
+
+
+def test_step_line_tells_what_drafting_adds_to_a_step_with_lookups_alone():
+    """With lookups alone the line's third term is a step's drafting at all: such a step's
+    host work no longer overlaps the device's, a cost its width does not show."""
+    from jspec.policies.measured_time import StepLine
+
+    line = StepLine(with_draft=False, drafting_steps=True)
+    rng = np.random.default_rng(2)
+    view = make_view(2)
+    for _ in range(40):
+        drafted = int(rng.integers(0, 2)) * int(rng.integers(1, 5))
+        width = 2 + 2 * drafted + int(rng.integers(0, 3))
+        line.observe(make_outcome(view, [drafted] * 2, [0, 0], num_drafted=[drafted] * 2,
+                                  num_padded_tokens=width,
+                                  step_time=0.003 + 1e-4 * width + 0.002 * (drafted > 0)))
+    assert line.coefficients() == pytest.approx((0.003, 1e-4, 0.002), rel=1e-3)
 
 
 def test_a_drafter_left_out_is_tried_again_as_its_evidence_ages():
