@@ -93,10 +93,9 @@ class AutoPolicy(DSDPolicy):
             return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
         model = self.model if view.draft_resident else None
         buckets = tuple(b for b in (self.gamma_buckets or range(self.max_gamma + 1)) if b > 0)
-        return self._choice.plan(view, model, self.lookups, buckets,
-                                 self._step_time(model is not None))
+        return self._choice.plan(view, model, self.lookups, buckets, self._step_time())
 
-    def _step_time(self, with_model: bool):
+    def _step_time(self):
         """T(w, f, d): a step whose verify is w tokens wide, in which the draft model runs f
         forwards and (d) any row drafts, from the run's own whole-step line (``StepLine``: with
         lookups alone its third term is the cost of a drafting step); None for all until it
@@ -108,7 +107,7 @@ class AutoPolicy(DSDPolicy):
         per_step = self._line.drafting_steps
 
         def step_time(width, forwards, drafts):  # scalars or arrays of candidates
-            third = drafts if per_step else (forwards if with_model else 0.0)
+            third = drafts if per_step else forwards  # forwards: 0 where no model drafts
             return a + b * np.asarray(width, np.float64) + c * np.asarray(third, np.float64)
 
         return step_time

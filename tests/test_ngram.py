@@ -170,7 +170,7 @@ def test_suffix_global_tree_holds_finished_outputs_and_evicts_the_oldest():
         s.output_token_ids = list(output)
         return s
 
-    # (survey and propose register the step's sequences; here they are set directly)
+    # (after_dispatch registers each step's sequences; here they are set directly)
     prop = SuffixProposer(max_depth=8, max_spec_factor=2.0, min_token_prob=0.1,
                           max_cached_requests=1, max_num_seqs=4)
     first = seq("a", [1, 2], [7, 8, 9, 10, 11])
