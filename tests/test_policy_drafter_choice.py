@@ -132,6 +132,13 @@ def test_before_steps_can_be_priced_every_drafter_drafts_the_longest():
     plan = choice.plan(view, MODEL, (NGRAM,), BUCKETS, lambda g, forwards, drafts: None)
     assert plan.gammas.tolist() == [4, 4, 4]
     assert plan.drafters.tolist() == [MODEL, MODEL, NGRAM]
+    # lookups alone: every other step plain, so the line sees steps of both kinds
+    # (StepLine.drafting_steps) and can tell what drafting at all adds
+    alone = DrafterChoice(alpha0=0.6, confidence_z=2.0)
+    plans = [alone.plan(view, None, (NGRAM,), BUCKETS, lambda g, forwards, drafts: None)
+             for _ in range(4)]
+    assert [p.gammas.tolist() for p in plans] == [[4, 0, 4], [0, 0, 0]] * 2
+    assert plans[0].drafters.tolist() == [NGRAM, -1, NGRAM]
 
 
 def test_auto_plans_per_sequence_only_with_lookups_and_keeps_its_state():
