@@ -57,6 +57,36 @@ def test_lookup_from_the_occurrence_index_equals_the_scan(tokens, n_max):
     assert m1 == m2 and e1.tolist() == e2.tolist()
 
 
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+       bounds=st.lists(st.integers(1, 12), min_size=1, max_size=4), bound=st.integers(0, 12))
+def test_one_match_per_row_serves_every_lookup_bound(tokens, bounds, bound):
+    """The engine's lookups share each row's match (computed once per length, up to the
+    longest any of them takes): whatever bounds they ask in whatever order, and as the
+    sequence grows, each gets ``longest_earlier_suffix`` at its own bound."""
+    from jspec.proposers import TokenBuffers
+    from jspec.proposers.ngram import longest_earlier_suffix
+    from jspec.sequence import Sequence
+
+    buffers, s = TokenBuffers(4, bound), Sequence("a", tokens[:1], None, 0)
+    for t in tokens[1:]:
+        s.output_token_ids.append(t)
+        for n_max in bounds:
+            got_tokens, (m, ends) = buffers.lookup_input(s, n_max)
+            want_m, want_ends = longest_earlier_suffix(np.array(s.token_ids(), np.int32), n_max)
+            assert got_tokens.tolist() == s.token_ids()
+            assert m == want_m and ends.tolist() == want_ends.tolist()
+
+
+@given(tokens=st.lists(st.integers(0, 5), min_size=1, max_size=150))
+def test_the_most_frequent_token_is_the_smallest_on_a_tie(tokens):
+    from jspec.proposers.suffix import _most_frequent
+
+    top = max(tokens.count(t) for t in tokens)
+    assert _most_frequent(np.array(tokens, np.int32)) == (
+        min(t for t in tokens if tokens.count(t) == top), top)
+
+
 def test_lookup_prefers_the_longest_suffix_then_the_latest_occurrence():
     t = np.array([1, 2, 3, 9, 7, 3, 8, 5, 2, 3], np.int32)
     # "2 3" occurred at 1-2 (followed by 9); "3" alone most recently at 5 (followed by 8)
@@ -224,11 +254,12 @@ def test_survey_skips_a_token_still_on_device_and_keeps_drafts_for_the_step():
     assert prop.survey([s], 4).lengths.tolist() == [3]
     assert "a" not in prop._surveyed
     s.output_token_ids[-1] = 5  # the commit: the real token replaces the placeholder
-    tokens, ends = prop.tokens.lookup_input(s)
-    assert tokens.tolist() == [5, 6, 7, 5, 6, 7, 5] and ends.tolist() == [0, 3]
+    entry = prop.tokens.entry(s)
+    assert entry.buf[:entry.size].tolist() == [5, 6, 7, 5, 6, 7, 5]
+    assert entry.earlier().tolist() == [0, 3]
     s.output_token_ids += [9, 6]  # the index follows the new tokens
-    tokens, ends = prop.tokens.lookup_input(s)
-    assert ends.tolist() == [1, 4] and tokens[ends].tolist() == [6, 6]
+    entry = prop.tokens.entry(s)
+    assert entry.earlier().tolist() == [1, 4] and entry.buf[[1, 4]].tolist() == [6, 6]
     s.output_token_ids[-2:] = []
     assert prop.survey([s], 4).lengths.tolist() == [3] and "a" in prop._surveyed  # "6 7 5"
     assert prop._draft_of(s, 2).tolist() == [6, 7]

@@ -25,33 +25,50 @@ from jspec.proposers.base import Proposer
 from jspec.sequence import PENDING_TOKEN
 
 
+def suffix_runs(tokens: np.ndarray, n_max: int, ends: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(ends, runs): where the last token of ``tokens`` occurred before it, in order, and for
+    each such occurrence how many tokens (at most ``n_max``) going back from it match the
+    sequence's own tail. ``ends``: where the last token occurred before, if the caller keeps
+    an index (else found by a scan)."""
+    length = len(tokens)
+    if length < 2 or n_max < 1:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if ends is None:
+        ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+    if not ends.size:
+        return ends, np.zeros(0, np.int64)
+    # every occurrence at once (a loop that narrows the occurrences token by token cost ~4
+    # numpy calls per token, and suffix decoding matches up to ~20 tokens)
+    back = np.arange(min(n_max, length - 1))
+    at = ends[:, None] - back[None, :]
+    same = (at >= 0) & (tokens[np.maximum(at, 0)] == tokens[length - 1 - back][None, :])
+    runs = np.argmin(np.concatenate([same, np.zeros((len(ends), 1), bool)], axis=1), axis=1)
+    return ends, runs
+
+
+def longest_of(ends: np.ndarray, runs: np.ndarray, n_max: int) -> tuple[int, np.ndarray]:
+    """(n, ends) of ``longest_earlier_suffix`` from ``suffix_runs`` computed up to any bound
+    of at least ``n_max``."""
+    if not ends.size:
+        return 0, ends
+    matched = int(runs.max())
+    if matched > n_max:
+        runs, matched = np.minimum(runs, n_max), n_max
+    return matched, ends[runs == matched]
+
+
 def longest_earlier_suffix(tokens: np.ndarray, n_max: int, ends: np.ndarray | None = None
                            ) -> tuple[int, np.ndarray]:
     """(n, ends): the longest suffix of ``tokens``, at most ``n_max`` long, that also occurs
     earlier (ending before the last token), and where each earlier occurrence ends, in
     order; (0, empty) when the last token never occurred before. ``ends``: where the last
     token occurred before, if the caller keeps an index (else found by a scan)."""
-    length = len(tokens)
-    if length < 2 or n_max < 1:
-        return 0, np.zeros(0, np.int64)
-    # ends of earlier occurrences of the last token, then of ever longer suffixes
-    if ends is None:
-        ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
-    if not ends.size:
-        return 0, ends
-    # every occurrence at once: how far back from it the tokens go on matching the sequence's
-    # own tail (a loop that narrows the occurrences token by token cost ~4 numpy calls per
-    # token, and suffix decoding matches up to ~20 tokens)
-    back = np.arange(min(n_max, length - 1))
-    at = ends[:, None] - back[None, :]
-    same = (at >= 0) & (tokens[np.maximum(at, 0)] == tokens[length - 1 - back][None, :])
-    runs = np.argmin(np.concatenate([same, np.zeros((len(ends), 1), bool)], axis=1), axis=1)
-    matched = int(runs.max())
-    return matched, ends[runs == matched]
+    return longest_of(*suffix_runs(tokens, n_max, ends), n_max)
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int,
-                 ends: np.ndarray | None = None) -> np.ndarray:
+                 match: tuple[int, np.ndarray] | None = None) -> np.ndarray:
     """The draft for a sequence of ``tokens``: the up to ``k`` tokens that followed the latest
     earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that occurs
     earlier (empty when none does).
@@ -60,7 +77,7 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int,
     the sequence's own tail (a repeating pattern drafts its continuation)."""
     if k <= 0:
         return tokens[:0]
-    matched, ends = longest_earlier_suffix(tokens, n_max, ends)
+    matched, ends = match if match is not None else longest_earlier_suffix(tokens, n_max)
     if matched < n_min:
         return tokens[:0]
     start = int(ends[-1]) + 1  # the latest occurrence of the longest suffix
@@ -70,7 +87,7 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int,
 class _Tokens:
     """One request's tokens in a buffer that grows by doubling."""
 
-    __slots__ = ("buf", "size", "where")
+    __slots__ = ("buf", "size", "where", "runs")
 
     def __init__(self, tokens: list[int]):
         self.buf = np.array(tokens, np.int32)
@@ -79,6 +96,20 @@ class _Tokens:
         # of the newest token without scanning the whole context
         self.where: dict[int, list[int]] = {}
         self._index(0)
+        # (size, bound, ends, runs): ``suffix_runs`` of the tokens at that size, shared by
+        # the engine's lookups (each surveys every row every step)
+        self.runs: tuple[int, int, np.ndarray, np.ndarray] | None = None
+
+    def match(self, n_max: int, bound: int) -> tuple[int, np.ndarray]:
+        """``longest_earlier_suffix(tokens, n_max)``, from runs computed once per size up to
+        ``bound`` (or ``n_max`` if larger)."""
+        runs = self.runs
+        if (runs is None or runs[0] != self.size
+                or (n_max > runs[1] and runs[3].size and int(runs[3].max()) >= runs[1])):
+            bound = max(n_max, bound)
+            runs = self.runs = (self.size, bound,
+                                *suffix_runs(self.buf[:self.size], bound, self.earlier()))
+        return longest_of(runs[2], runs[3], n_max)
 
     def _index(self, start: int) -> None:
         where = self.where
@@ -121,14 +152,17 @@ class TokenBuffers:
     """Each request's tokens as a numpy array, kept up to date by copying only new tokens;
     buffers of requests no longer scheduled are dropped once there are many."""
 
-    def __init__(self, max_num_seqs: int):
+    def __init__(self, max_num_seqs: int, match_bound: int = 0):
         self._buffers: dict[str, _Tokens] = {}
         self._keep = 2 * max_num_seqs
+        # the longest suffix any of the sharing lookups matches: each row's runs are computed
+        # once to it
+        self.match_bound = match_bound
 
-    def lookup_input(self, seq) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, where the newest one occurred before): what a lookup starts from."""
+    def lookup_input(self, seq, n_max: int) -> tuple[np.ndarray, tuple[int, np.ndarray]]:
+        """(tokens, ``longest_earlier_suffix(tokens, n_max)``): what a lookup starts from."""
         entry = self.entry(seq)
-        return entry.buf[:entry.size], entry.earlier()
+        return entry.buf[:entry.size], entry.match(n_max, self.match_bound)
 
     def entry(self, seq) -> _Tokens:
         """``seq``'s buffer, brought up to the last token the host knows: with asynchronous
@@ -243,5 +277,5 @@ class NgramProposer(LookupProposer):
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
 
     def draft(self, seq, gamma: int) -> np.ndarray:
-        tokens, ends = self.tokens.lookup_input(seq)
-        return ngram_lookup(tokens, self.n_min, self.n_max, gamma, ends)
+        tokens, match = self.tokens.lookup_input(seq, self.n_max)
+        return ngram_lookup(tokens, self.n_min, self.n_max, gamma, match)
