@@ -41,6 +41,8 @@ def test_it_needs_a_fixed_policy_to_choose_from():
         oracle.run(_parse("--policy", "auto"))
     with pytest.raises(ValueError, match="--num-prompts must be >= 1"):
         oracle.run(_parse("--policy", "off", "--num-prompts", "0"))
+    with pytest.raises(ValueError, match="--temperature must be >= 0"):
+        oracle.run(_parse("--policy", "off", "--temperature", "-1"))
 
 
 def test_a_tiny_run_reports_every_policy(tiny_pair, tmp_path, capsys):
@@ -52,9 +54,11 @@ def test_a_tiny_run_reports_every_policy(tiny_pair, tmp_path, capsys):
                              "--num-speculative-tokens", "7", "--workload", "code",
                              "--policy", "off", "static:gamma=2,drafter=ngram",
                              "--num-prompts", "2", "--warmup-prompts", "1", "--max-tokens",
-                             "4", "--max-prompt-tokens", "60", "--json", str(out))) == 0
+                             "4", "--max-prompt-tokens", "60", "--temperature", "1.0",
+                             "--json", str(out))) == 0
     report = json.loads(out.read_text())
     assert [p["label"] for p in report["policies"]] == ["off", "static γ=2 ngram"]
-    assert all(p["steps"] >= 2 for p in report["policies"])  # two prompts, 4 tokens each
+    # two prompts, 4 sampled tokens each (EOS ignored when sampling)
+    assert all(p["steps"] >= 2 for p in report["policies"])
     assert sum(report["oracle"]["picks"].values()) == 2
     assert "oracle: the fastest fixed policy per prompt" in capsys.readouterr().out

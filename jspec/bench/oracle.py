@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-prompts", type=int, default=4,
                         help="prompts each engine runs first, unmeasured")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="above 0: every request samples (seeded by its prompt) to "
+                             "--max-tokens, ignoring EOS, so every engine emits as many tokens")
     parser.add_argument("--max-prompt-tokens", type=int, default=800,
                         help="prompts longer than this are skipped")
     parser.add_argument("--seed", type=int, default=0, help="which prompts, in which order")
@@ -67,6 +70,8 @@ def _check(args: argparse.Namespace) -> None:
                              f"{getattr(args, name)}")
     if args.warmup_prompts < 0 or args.num_speculative_tokens < 0:
         raise ValueError("--warmup-prompts and --num-speculative-tokens must be >= 0")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
 
 
 def _engines(args: argparse.Namespace, runs: list[dict]) -> list:
@@ -144,10 +149,13 @@ def run(args: argparse.Namespace) -> int:
     fixed = [r["name"] in FIXED for r in runs]
     llms = _engines(args, runs)
     prompts = _prompts(args, llms[0][0].tokenizer)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    def params(k: int) -> SamplingParams:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              seed=k, ignore_eos=args.temperature > 0)
+
     for llm, steps in llms:
-        for p in prompts[:args.warmup_prompts]:
-            llm.generate([p.text], sp, use_tqdm=False)
+        for k, p in enumerate(prompts[:args.warmup_prompts]):
+            llm.generate([p.text], params(k), use_tqdm=False)
     measured = prompts[args.warmup_prompts:]
     seconds = np.zeros((len(llms), len(measured)))
     steps = np.zeros_like(seconds)
@@ -156,14 +164,16 @@ def run(args: argparse.Namespace) -> int:
         for j in turn:
             llm, count = llms[j]
             before, start = count[0], time.perf_counter()
-            llm.generate([p.text], sp, use_tqdm=False)
+            llm.generate([p.text], params(args.warmup_prompts + k), use_tqdm=False)
             seconds[j, k] = time.perf_counter() - start
             steps[j, k] = count[0] - before
         print(f"prompt {k + 1}/{len(measured)} ({p.category}): "
               + " ".join(f"{s:.3f}" for s in seconds[:, k]), file=sys.stderr)
     report = compare(seconds, steps, labels, fixed, [p.category for p in measured])
+    sampled = f", temperature {args.temperature:g}" if args.temperature > 0 else ""
     print(f"\n{len(measured)} {args.workload} prompts, one at a time, {args.max_tokens} tokens "
-          f"at most, Γmax = {args.num_speculative_tokens}; best fixed: {report['best_fixed']}\n")
+          f"at most{sampled}, Γmax = {args.num_speculative_tokens}; best fixed: "
+          f"{report['best_fixed']}\n")
     print("| policy | seconds | steps | ms / step | × best fixed |")
     print("|---|---|---|---|---|")
     for r in report["policies"]:
