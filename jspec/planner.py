@@ -9,6 +9,7 @@ step's ``StepState`` (rows, plan, γ) and nothing of the sequences.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -205,7 +206,8 @@ class Planner:
             prefill_backlog_tokens=backlog_tokens,
             prefill_backlog_requests=backlog_requests,
             lookahead_tokens=sum(r.lookahead for r in decode_rows),
-            **self._survey(decode_rows),
+            survey=(functools.partial(self._survey, decode_rows)
+                    if self.policy.reads_lookups and decode_rows else None),
             verify_width=self._verify_width(len(decode_rows), st.num_prefill_tokens),
         )
 
@@ -228,13 +230,11 @@ class Planner:
         for proposer in self.spec.proposers.values():
             proposer.after_dispatch(st)
 
-    def _survey(self, decode_rows) -> dict[str, dict[int, np.ndarray]]:
+    def _survey(self, decode_rows) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
         """What each lookup would draft for each decoding row, for a policy that reads it:
-        ``BatchView.lookup_lengths`` and ``lookup_probs``."""
-        if not self.policy.reads_lookups or not decode_rows:
-            return {}
+        ``BatchView.lookup_lengths`` and ``lookup_probs`` (the drafts are kept for the step)."""
         seqs = [r.seq for r in decode_rows]
         surveys = {i: self.spec.proposers[(i,)].survey(seqs, self.spec.max_gamma)
                    for i in self.policy.lookups if (i,) in self.spec.proposers}
-        return {"lookup_lengths": {i: s.lengths for i, s in surveys.items()},
-                "lookup_probs": {i: s.probs for i, s in surveys.items()}}
+        return ({i: s.lengths for i, s in surveys.items()},
+                {i: s.probs for i, s in surveys.items()})

@@ -100,13 +100,13 @@ class AutoPolicy(DSDPolicy):
         forwards and (d) any row drafts, from the run's own whole-step line (``StepLine``: with
         lookups alone its third term is the cost of a drafting step); None for all until it
         can tell the costs apart."""
-        beta = self._line.coefficients()  # solved once per plan
-        if beta is None:
-            return lambda width, forwards, drafts: None
-        a, b, c = beta if len(beta) == 3 else (*beta, 0.0)
-        per_step = self._line.drafting_steps
+        line, per_step = self._line, self._line.drafting_steps
 
         def step_time(width, forwards, drafts):  # scalars or arrays of candidates
+            beta = line.coefficients()  # solved once per plan, if it prices a step at all
+            if beta is None:
+                return None
+            a, b, c = beta if len(beta) == 3 else (*beta, 0.0)
             third = drafts if per_step else forwards  # forwards: 0 where no model drafts
             return a + b * np.asarray(width, np.float64) + c * np.asarray(third, np.float64)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -64,7 +64,8 @@ class BatchView:
     # what a plan leaves unused goes to prompts (``displaced_prompt_tokens``)
     lookahead_tokens: int = 0
     # per lookup drafter (pool index): how many tokens it would draft now for each sequence,
-    # at most Γmax; given to a policy that reads them (``Policy.reads_lookups``)
+    # at most Γmax; given to a policy that reads them (``Policy.reads_lookups``), once it asks
+    # (``surveyed``)
     lookup_lengths: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     # per lookup drafter: [n, Γmax] its own estimate that the first j + 1 tokens of its draft
     # are all accepted (suffix decoding's chained frequencies, SuffixDecoding §3.3), NaN past
@@ -75,6 +76,16 @@ class BatchView:
     # model drafting some of them (``model_drafts``) or only lookups; None: n x (1 + g). It
     # reads the drafts through their sum (the step's n + Σ gammas tokens)
     verify_width: Any = None
+    # () -> (lookup_lengths, lookup_probs): the lookups' survey, which ``surveyed`` runs when a
+    # policy reads them (a policy that decodes plainly without planning skips its cost)
+    survey: Callable | None = None
+
+    def surveyed(self) -> "BatchView":
+        """This view with ``lookup_lengths`` and ``lookup_probs`` filled in."""
+        if self.survey is not None:
+            self.lookup_lengths, self.lookup_probs = self.survey()
+            self.survey = None
+        return self
 
     @property
     def num_decode(self) -> int:

@@ -4,6 +4,7 @@ Host-only: views and outcomes built by hand, the step-time model given."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -85,8 +86,9 @@ def test_a_lone_long_lookup_drafts_where_the_engine_verifies_only_what_was_found
         _learn(choice, view, [NGRAM] + [-1] * 7, [4] + [0] * 7)
         _learn(choice, view, [NGRAM] + [-1] * 7, [3] + [0] * 7)
     times = _times(1e-3, 1e-3)
-    # every row verified Γ + 1 wide: 40 tokens for one row's 4 drafts do not pay
-    plan = choice.plan(view, None, (NGRAM,), BUCKETS, times)
+    # every row verified Γ + 1 wide: 40 tokens for one row's 4 drafts do not pay (on a copy: a
+    # plain plan's gain would let the next steps skip planning)
+    plan = copy.deepcopy(choice).plan(view, None, (NGRAM,), BUCKETS, times)
     assert plan.gammas.tolist() == [0] * 8
     # lookups' steps verified at what they found (8 + 4 tokens): row 0 drafts its 4
 
@@ -314,3 +316,36 @@ def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
     fresh.load_state_dict({**state, "calibration": {str(SUFFIX): [1.0, 4.0]}})
     assert fresh.calibration(SUFFIX, 2) == pytest.approx([5 / 8, 1.0])
 
+
+
+def test_planning_that_has_not_paid_runs_every_plan_every_steps():
+    """Plans that draft nothing predict no gain, less than planning takes: the steps after one
+    decode plainly without a plan, surveying no lookup, until ``plan_every`` steps have passed.
+    Once rows accept their drafts, the next plan drafts with a predicted gain far above its
+    cost, and every step plans again."""
+    choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
+    view = make_view(2)
+    for _ in range(20):  # the lookup's drafts are all rejected
+        _learn(choice, view, [NGRAM, NGRAM], [0, 0])
+    surveys = []
+
+    def surveyed_view():
+        def survey():
+            surveys.append(1)
+            return {NGRAM: np.array([4, 4])}, {NGRAM: np.full((2, 4), np.nan)}
+        return dataclasses.replace(view, survey=survey)
+
+    times = _times(0.1, 0.0, fixed=1.0)  # seconds: a drafting plan's gain dwarfs any plan's cost
+    every = choice.plan_every
+    plans = [choice.plan(surveyed_view(), None, (NGRAM,), BUCKETS, times)
+             for _ in range(2 * every)]
+    assert all(p.gammas.tolist() == [0, 0] for p in plans)
+    assert len(surveys) == 2  # the first step's plan, and the one plan_every steps later
+    for _ in range(40):  # now they are all accepted
+        _learn(choice, view, [NGRAM, NGRAM], [4, 4])
+    plans = [choice.plan(surveyed_view(), None, (NGRAM,), BUCKETS, times)
+             for _ in range(2 * every)]
+    first = next(i for i, p in enumerate(plans) if p.gammas.any())
+    assert first < every
+    assert all(p.gammas.tolist() == [4, 4] for p in plans[first:])
+    assert len(surveys) == 2 + len(plans) - first  # skipped before it, planned from it on
