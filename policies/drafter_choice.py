@@ -279,8 +279,11 @@ class DrafterChoice:
 
     def _planned(self, gain: float, seconds: float) -> None:
         """A priced plan's predicted gain and what it took (``_skips_plan``)."""
+        if self._plan_gain is None:
+            self._plan_gain, self._plan_cost = gain, seconds
+            return
         d = _PLAN_DECAY
-        self._plan_gain = gain if self._plan_gain is None else d * self._plan_gain + (1 - d) * gain
+        self._plan_gain = d * self._plan_gain + (1 - d) * gain
         self._plan_cost = d * self._plan_cost + (1 - d) * seconds
 
     def _candidates(self, buckets: tuple[int, ...], with_model: bool) -> "_Candidates":
