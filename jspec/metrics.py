@@ -28,6 +28,13 @@ class SpecCounts:
     accepted_per_position: np.ndarray  # [max_gamma] position k: drafts that accepted > k tokens
 
     @classmethod
+    def plain(cls, n: int, max_gamma: int) -> SpecCounts:
+        """``count`` of a step whose ``n`` sequences all decoded plainly (γ = 0)."""
+        gamma_counts = np.zeros(max_gamma + 1, np.int64)
+        gamma_counts[0] = n
+        return cls(gamma_counts, 0, 0, 0, 0, np.zeros(max_gamma, np.int64))
+
+    @classmethod
     def count(cls, gammas: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
               num_emitted: np.ndarray, max_gamma: int) -> SpecCounts:
         """The counts of the per-sequence arrays of one step (``StepOutcome``'s)."""
@@ -57,6 +64,11 @@ class DrafterCounts:
 
     by_drafter: dict[int, tuple[int, int, int]]
     mixed: bool
+
+    @classmethod
+    def plain(cls, n: int) -> DrafterCounts:
+        """``count`` of a step whose ``n`` sequences all decoded plainly."""
+        return cls({-1: (n, 0, 0)}, mixed=False)
 
     @classmethod
     def count(cls, drafters: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,

@@ -69,20 +69,26 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
     n = len(decode_rows)
     gamma = st.gamma
     max_gamma = st.view.max_gamma
-    planned = np.array([r.gamma_planned for r in decode_rows], np.int64)
-    verify = np.array([r.gamma_verify for r in decode_rows], np.int64)
-    num_drafted = np.asarray(fetched.drafted)[idx] if gamma else np.zeros(n, np.int64)
-    verified = np.minimum(num_drafted, verify)
-    accepted = np.minimum(fetched.result.num_accepted[idx], verified)
-    extra = st.proposer.record(st, idx) if gamma and st.proposer is not None else {}
     emitted = np.array([r.num_emitted for r in decode_rows], np.int64)
-    drafters = np.array([r.drafter if gamma else -1 for r in decode_rows], np.int64)
-    by_model = (drafters >= 0) & (drafters < num_models)
-    model_forwards = int(np.max(np.asarray(extra.get("num_drafted", num_drafted))[by_model],
-                                initial=0))
-    counts = SpecCounts.count(planned, verified, accepted, emitted, max_gamma) if n else None
+    if gamma:
+        planned = np.array([r.gamma_planned for r in decode_rows], np.int64)
+        verify = np.array([r.gamma_verify for r in decode_rows], np.int64)
+        num_drafted = np.asarray(fetched.drafted)[idx]
+        verified = np.minimum(num_drafted, verify)
+        accepted = np.minimum(fetched.result.num_accepted[idx], verified)
+        extra = st.proposer.record(st, idx) if st.proposer is not None else {}
+        drafters = np.array([r.drafter for r in decode_rows], np.int64)
+        by_model = (drafters >= 0) & (drafters < num_models)
+        model_forwards = int(np.max(np.asarray(extra.get("num_drafted", num_drafted))[by_model],
+                                    initial=0))
+        counts = SpecCounts.count(planned, verified, accepted, emitted, max_gamma) if n else None
+        by_drafter = DrafterCounts.count(drafters, verified, accepted, st.chain) if n else None
+    else:  # every row decoded plainly: the same record in a few operations (it runs every step)
+        planned, num_drafted, verified, accepted = (np.zeros(n, np.int64) for _ in range(4))
+        extra, drafters, model_forwards = {}, np.full(n, -1, np.int64), 0
+        counts = SpecCounts.plain(n, max_gamma) if n else None
+        by_drafter = DrafterCounts.plain(n) if n else None
     chain = st.chain if gamma else ()
-    by_drafter = DrafterCounts.count(drafters, verified, accepted, chain) if n else None
     signal = _signal_reader(st, fetched, verified, max_gamma)
     t = clock.times
     return StepRecord(

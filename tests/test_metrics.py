@@ -41,3 +41,23 @@ def test_record_spec_counts_what_a_loop_over_sequences_counts():
     assert (m.spec_decode_num_drafts, m.spec_decode_num_draft_tokens,
             m.spec_decode_num_accepted_tokens, m.spec_decode_num_emitted_tokens) == \
         (drafts, draft_tokens, accepted_tokens, emitted_tokens)
+
+
+def test_a_plain_steps_counts_are_what_counting_its_zeros_gives():
+    """The record of a step in which no row drafted takes its counts without counting
+    (``SpecCounts.plain``, ``DrafterCounts.plain``): the same as counting its all-zero
+    arrays."""
+    from jspec.metrics import DrafterCounts
+
+    for n, max_gamma in ((1, 4), (7, 5), (32, 1)):
+        zeros = np.zeros(n, np.int64)
+        emitted = np.ones(n, np.int64)
+        plain, counted = SpecCounts.plain(n, max_gamma), SpecCounts.count(
+            zeros, zeros, zeros, emitted, max_gamma)
+        assert plain.gamma_counts.tolist() == counted.gamma_counts.tolist()
+        assert plain.accepted_per_position.tolist() == counted.accepted_per_position.tolist()
+        assert (plain.num_drafts, plain.num_draft_tokens, plain.num_accepted_tokens,
+                plain.num_emitted_tokens) == (counted.num_drafts, counted.num_draft_tokens,
+                                              counted.num_accepted_tokens,
+                                              counted.num_emitted_tokens)
+        assert DrafterCounts.plain(n) == DrafterCounts.count(np.full(n, -1), zeros, zeros, ())
