@@ -82,6 +82,34 @@ def verify_input(rows: list[RowWork], num_tokens: int, num_rows: int, gamma: int
     by the device-side scatter). Per-row work is a few Python scalars; the arrays are built in
     bulk (this runs every step).
     """
+    if not gamma and all(row.is_decode for row in rows):
+        return _plain_decode_input(rows, num_tokens, num_rows, table)
+    return _ragged_input(rows, num_tokens, num_rows, gamma, table)
+
+
+def _plain_decode_input(rows: list[RowWork], num_tokens: int, num_rows: int, table: np.ndarray
+                        ) -> tuple[ModelInput, np.ndarray]:
+    """``verify_input`` of a step in which every row decodes one token and none drafts (the
+    steps of plain decoding): row i's token is token i, in a few operations."""
+    n = len(rows)
+    firsts = np.fromiter((row.seq.num_computed for row in rows), np.int64, n)
+    input_ids = np.zeros(num_tokens, np.int32)
+    input_ids[:n] = [row.seq.token_at(f) for row, f in zip(rows, firsts.tolist())]
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:n] = firsts
+    cu_q_lens = np.full(num_rows + 1, n, np.int32)
+    cu_q_lens[:n + 1] = np.arange(n + 1)
+    kv_lens = np.zeros(num_rows, np.int32)
+    kv_lens[:n] = firsts + 1
+    logits_indices = np.zeros(num_rows, np.int32)
+    logits_indices[:n] = np.arange(n)
+    batch = _model_input(input_ids, positions, cu_q_lens, kv_lens, table, logits_indices)
+    return batch, np.full((num_rows, 0), num_tokens, np.int32)
+
+
+def _ragged_input(rows: list[RowWork], num_tokens: int, num_rows: int, gamma: int,
+                  table: np.ndarray) -> tuple[ModelInput, np.ndarray]:
+    """``verify_input`` of any step: prompt chunks and decoding rows with their drafts."""
     n = len(rows)
     q_lens = np.empty(n, np.int64)
     firsts = np.empty(n, np.int64)
