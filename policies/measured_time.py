@@ -71,6 +71,9 @@ class MeasuredTime:
 
 _MIN_STEPS = 5.0  # decayed steps before a fit is trusted
 _MIN_KIND = 2.0  # decayed steps with and without the draft model before its cost is told
+# the draft model's cost is told only from a fit in which both kinds of step are this recent
+# (steps since each was last seen); otherwise the one told last is kept
+_RECENT = 1
 
 
 class StepLine:
@@ -102,6 +105,7 @@ class StepLine:
         self.xx = [[0.0] * k for _ in range(k)]
         self.xy = [0.0] * k
         self.kinds = [0.0, 0.0]  # decayed steps without and with the draft model
+        self.since = [0, 0]  # steps since a step without and with the draft model
         self._solved: tuple[float, ...] | None = None
         self._stale = True  # observed since the last solve
         self._draft_cost: float | None = None  # c, when last told from the steps
@@ -125,6 +129,8 @@ class StepLine:
             self.xy[i] = d * self.xy[i] + xi * y
         self.kinds = [d * c for c in self.kinds]
         self.kinds[forwards > 0] += 1.0
+        self.since = [k + 1 for k in self.since]
+        self.since[forwards > 0] = 0
         self._stale = True
 
     def coefficients(self) -> tuple[float, ...] | None:
@@ -143,16 +149,18 @@ class StepLine:
             return None
         if not self.with_draft:
             return _least_squares([row[:2] for row in xx[:2]], xy[:2])
-        if min(self.kinds) >= _MIN_KIND:
+        c = self._draft_cost
+        if min(self.kinds) >= _MIN_KIND and (c is None or max(self.since) <= _RECENT):
             beta = _least_squares(xx, xy)
             if beta is not None:
                 self._draft_cost = beta[2]
             return beta
         # Steps of one kind only lately (the draft model idle, say): its cost per forward is
-        # the one measured last, and the line is fitted to the steps less that cost. Without
-        # this the fit would give up, and the policy would explore the model again at its
-        # longest draft, the costliest step there is.
-        c = self._draft_cost
+        # the one told last, and the line is fitted to the steps less that cost. Without this
+        # the fit would give up, and the policy would explore the model again at its longest
+        # draft, the costliest step there is; and a fit over the idle kind's ageing steps would
+        # tell its cost from the other kind's new ones, taking any move of the target's fixed
+        # cost since for the model's (a move from 4 to 6 ms made a 1-ms draft cost 0.03 ms).
         if c is None:
             return None
         line = _least_squares([row[:2] for row in xx[:2]],

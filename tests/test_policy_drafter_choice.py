@@ -198,7 +198,8 @@ def test_step_line_tells_the_draft_models_cost_from_whole_steps():
 def test_step_line_keeps_the_draft_models_cost_while_the_model_idles():
     """Once told, the draft model's cost per forward outlives the steps it was told from: a
     line that forgot it would leave the policy unable to price any step, and `auto` would
-    explore the model again at its longest draft, the costliest step there is."""
+    explore the model again at its longest draft, the costliest step there is. Nor does it
+    drift while the model idles: the target's fixed cost moving meanwhile is not the model's."""
     from jspec.policies.measured_time import StepLine
 
     line = StepLine(with_draft=True)
@@ -212,12 +213,13 @@ def test_step_line_keeps_the_draft_models_cost_while_the_model_idles():
 
     for _ in range(20):
         line.observe(step(int(rng.integers(8, 64)), int(rng.integers(0, 2)) * 2))
+        line.coefficients()  # solved every step, as a plan does
     assert line.coefficients()[2] == pytest.approx(1e-3, rel=0.05)
     for _ in range(500):  # the model idles while the target's fixed cost moves
         line.observe(step(int(rng.integers(8, 64)), 0, a=0.006))
-    a, b, c = line.coefficients()
+        a, b, c = line.coefficients()
+        assert c == pytest.approx(1e-3, rel=0.15)  # never the fixed cost's move
     assert a == pytest.approx(0.006, rel=0.05) and b == pytest.approx(2e-5, rel=0.05)
-    assert c == pytest.approx(1e-3, rel=0.05)
 
 
 def test_step_line_tells_what_drafting_adds_to_a_step_with_lookups_alone():
