@@ -33,10 +33,7 @@ def make_proposers(runner, chains, config, num_models: int) -> dict[tuple[int, .
     names, in order, sharing one set of token buffers."""
     out: dict[tuple[int, ...], Proposer] = {}
     lookups = config.lookups
-    # one row's match serves every lookup: computed to the longest any of them takes
-    bound = max([config.prompt_lookup_max if m == "ngram"
-                 else config.suffix_decoding_max_tree_depth - 1 for m in lookups], default=0)
-    tokens = TokenBuffers(config.max_num_seqs, bound)
+    tokens = TokenBuffers(config.max_num_seqs)
     for chain in chains:
         if not chain:  # the policy may plan to draft with none
             continue

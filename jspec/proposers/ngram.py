@@ -155,8 +155,8 @@ class TokenBuffers:
     def __init__(self, max_num_seqs: int, match_bound: int = 0):
         self._buffers: dict[str, _Tokens] = {}
         self._keep = 2 * max_num_seqs
-        # the longest suffix any of the sharing lookups matches: each row's runs are computed
-        # once to it
+        # the longest suffix any of the sharing lookups matches (each raises it to its own):
+        # each row's runs are computed once to it
         self.match_bound = match_bound
 
     def lookup_input(self, seq, n_max: int) -> tuple[np.ndarray, tuple[int, np.ndarray]]:
@@ -197,10 +197,13 @@ class LookupProposer(Proposer):
     """A drafter that looks each drafting row's continuation up on the host (``draft``), with
     no distribution: the shared step of prompt lookup and suffix decoding."""
 
-    def __init__(self, max_num_seqs: int, tokens: TokenBuffers | None = None):
+    def __init__(self, max_num_seqs: int, match_bound: int,
+                 tokens: TokenBuffers | None = None):
         # each request's tokens; one engine's lookups share them (each syncs and indexes a
-        # sequence's new tokens once per step, not once per lookup)
+        # sequence's new tokens once per step, not once per lookup, and computes each row's
+        # match once, to ``match_bound``, the longest suffix any of them matches)
         self.tokens = tokens if tokens is not None else TokenBuffers(max_num_seqs)
+        self.tokens.match_bound = max(self.tokens.match_bound, match_bound)
         # request -> (its length, its draft at Γmax) from the plan's survey, reused by the
         # step's propose while the sequence has not grown since
         self._surveyed: dict[str, tuple[int, np.ndarray]] = {}
@@ -273,7 +276,7 @@ class NgramProposer(LookupProposer):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min} and {prompt_lookup_max}")
-        super().__init__(max_num_seqs, tokens)
+        super().__init__(max_num_seqs, prompt_lookup_max, tokens)
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
 
     def draft(self, seq, gamma: int) -> np.ndarray:

@@ -268,7 +268,8 @@ class SuffixProposer(LookupProposer):
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.max_cached_requests = max_cached_requests
-        super().__init__(max_num_seqs, tokens)
+        # its longest match leaves room for a draft of one token (``draft_with_probs``)
+        super().__init__(max_num_seqs, max(max_depth - 1, 1), tokens)
         self.global_tree = SuffixTree(max_depth)
         # the steps' sequences (``after_dispatch``), until they end; by object, as a request
         # id may be used again once its request ended
