@@ -372,6 +372,7 @@ class _Simulation:
                 verified = np.minimum(np.maximum(np.asarray(lens, np.int64), 0), draft.drafted)
         noise = self.noise_at(clock)
         outcome = self.outcome(view, gammas, draft, verified, (prefill_attended, noise))
+        outcome.plan_note = plan.note
         if view.num_decode:
             policy.observe(outcome)
         r.advance(outcome.num_emitted, gammas)

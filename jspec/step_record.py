@@ -106,4 +106,5 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
         num_padded_tokens=st.num_padded_tokens,
         num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
         chain=chain, intermediate_time=t["intermediate"], spec_counts=counts,
-        drafter_counts=by_drafter, drafters=drafters, model_forwards=model_forwards, **extra)
+        drafter_counts=by_drafter, drafters=drafters, model_forwards=model_forwards,
+        plan_note=None if st.plan is None else st.plan.note, **extra)

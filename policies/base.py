@@ -141,6 +141,10 @@ class DraftPlan:
     # policy that picks the drafter per sequence (``Policy.possible_drafters``); ``chain`` is
     # then ignored. At most one draft model per step; any number of lookups beside it.
     drafters: np.ndarray | None = None
+    # the policy's own note on its decision, handed back with this step's outcome
+    # (``StepOutcome.plan_note``): with asynchronous scheduling the next step is planned before
+    # this one is observed, so a decision kept on the policy would meet the wrong outcome
+    note: Any = None
 
 
 @dataclasses.dataclass
@@ -199,6 +203,8 @@ class StepOutcome:
     # draft forwards a draft model ran (its longest draft); None: not recorded, the step's
     # longest draft stands in (every drafting row used the draft model)
     model_forwards: int | None = None
+    # the ``DraftPlan.note`` of the plan this step ran (None: no plan, or the policy kept none)
+    plan_note: Any = None
 
     @property
     def draft_forwards(self) -> int:

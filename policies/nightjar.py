@@ -154,6 +154,10 @@ Choices the paper leaves open:
   context B, so it updates g̃_{B,0}, but the bandit did not play it, so the counters do not move.
   A step observed without a plan (an engine that skips ``plan`` while the draft is away) is
   treated the same way, crediting the γ it ran. Steps with no decoding sequence teach nothing.
+- Each plan's decision (context, arm, whether the bandit chose it) travels with its step
+  (``DraftPlan.note``, back as ``StepOutcome.plan_note``): with asynchronous scheduling the next
+  step is planned before this one is observed. A plan the engine clipped (its rows at their
+  last tokens) is credited to the arm that ran.
 - c_prefill(L_max, B), with L_max = max(view.pending_draft_tokens) (§4.2, "Prefill Cost
   Modeling"):
   * with a profile (option ``profile``, a path or a StepProfile from ``jspec profile``, or the
@@ -364,7 +368,6 @@ class NightjarPolicy(Policy):
         self._catch_up_tokens = 0.0
         self._prefill_cost = PrefillCost()  # the marginal cost of prefill tokens (reward)
         self._time = MeasuredTime(self._prefill_cost)  # the run's step-time model (shrinkage)
-        self._pending: dict[str, Any] | None = None  # the decision awaiting its outcome
         # decayed sums of the leading arms' consecutive log residuals, for their lag-1
         # autocorrelation (``_whitened``): Σ e_{t−1}·e_t, Σ e_{t−1}², pairs
         self._rho_sums = [0.0, 0.0, 0.0]
@@ -374,12 +377,11 @@ class NightjarPolicy(Policy):
     def plan(self, view: BatchView) -> DraftPlan:
         n = view.num_decode
         if n == 0:
-            self._pending = None
             return DraftPlan(gammas=np.zeros(0, np.int32))
         key = batch_bucket(view.batch_size)
         if not view.draft_resident or view.prefill_bound:
-            self._pending = {"context": key, "gamma": 0, "forced": True}
-            return DraftPlan(gammas=np.zeros(n, np.int32))
+            return DraftPlan(gammas=np.zeros(n, np.int32),
+                             note={"context": key, "gamma": 0, "forced": True})
         ctx = self._context(key)
         # the prior only judges arms without a sample: once every arm has one, skip its lookups
         prior = self.prior_goodput(view) if 0 in ctx.samples else None
@@ -395,8 +397,8 @@ class NightjarPolicy(Policy):
         if ctx.mode == EXPLORE and ctx.tau > self.explore_steps:
             ctx.mode = EXPLOIT  # the bin explored long enough: exploit the rest of it
         gamma = ctx.explore_arm if ctx.mode == EXPLORE else self._exploit(ctx, view, prior)
-        self._pending = {"context": key, "gamma": gamma, "forced": False}
-        return DraftPlan(gammas=np.full(n, gamma, np.int32))
+        return DraftPlan(gammas=np.full(n, gamma, np.int32),
+                         note={"context": key, "gamma": gamma, "forced": False})
 
     def _explore_arm(self, ctx: _Context, view: BatchView) -> int:
         """The arm of a new exploration bin among the plausible ones: uniformly (Algorithm 1),
@@ -542,7 +544,7 @@ class NightjarPolicy(Policy):
 
     # ------------------------------------------------------------------ learning
     def observe(self, outcome: StepOutcome) -> None:
-        decision, self._pending = self._pending, None
+        decision = outcome.plan_note
         if len(outcome.request_ids) == 0:
             return
         if outcome.catch_up_tokens > 0 and outcome.catch_up_time > 0:
@@ -559,7 +561,9 @@ class NightjarPolicy(Policy):
             decision = {"context": batch_bucket(outcome.batch_size), "gamma": played,
                         "forced": True}
         ctx = self._context(decision["context"])
-        arm = decision["gamma"]
+        # the arm that ran: the engine clips a plan to the rows' last tokens, and a step
+        # clipped to fewer tokens is a sample of what it ran, not of what was planned
+        arm = min(decision["gamma"], played)
         ctx.counts[arm] += 1
         self._time.observe(outcome)  # the target line in it is the reward's prefill cost too
         reward = self._reward(outcome)
@@ -671,7 +675,6 @@ class NightjarPolicy(Policy):
             "prefill_cost": self._prefill_cost.state_dict(),
             "measured_time": self._time.state_dict(),
             "rng": self._rng.bit_generator.state,
-            "pending": None if self._pending is None else dict(self._pending),
             "rho_sums": list(self._rho_sums),
             "lead_sq": list(self._lead_sq),
         }
@@ -722,10 +725,6 @@ class NightjarPolicy(Policy):
             if len(rho_sums) != 3 or len(lead_sq) != 2:
                 raise ValueError(f"rho_sums / lead_sq have {len(rho_sums)} / {len(lead_sq)} "
                                  f"sums, expected 3 / 2")
-            pending = state.get("pending")
-            if pending is not None:
-                pending = {"context": int(pending["context"]), "gamma": int(pending["gamma"]),
-                           "forced": bool(pending["forced"])}
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed {self.name} state: {e}") from None
         # only now, so a bad state leaves the policy as it was
@@ -736,5 +735,4 @@ class NightjarPolicy(Policy):
         self._accepted, self._judged = acceptance
         self._prefill_cost = prefill_cost
         self._time = measured
-        self._pending = pending
         self._rho_sums, self._lead_sq = rho_sums, lead_sq

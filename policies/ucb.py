@@ -49,7 +49,6 @@ class UCBPolicy(Policy):
         self.per_batch_bucket = per_batch_bucket
         # key -> {"counts": [n per γ], "sums": [raw reward sum per γ], "max": largest reward}
         self._bandits: dict[str, dict[str, Any]] = {}
-        self._pending: dict[str, Any] | None = None  # (bandit, arm) awaiting its outcome
 
     def _key(self, batch_size: int) -> str:
         return str(batch_bucket(batch_size)) if self.per_batch_bucket else _ALL
@@ -81,27 +80,26 @@ class UCBPolicy(Policy):
         n = view.num_decode
         key = self._key(view.batch_size)
         if n == 0:
-            self._pending = None
             return DraftPlan(gammas=np.zeros(0, np.int32))
         if view.draft_resident:
             gamma = int(np.argmax(self.scores(view.batch_size)))  # first ∞ = lowest unvisited
         else:
             gamma = 0
-        self._pending = {"key": key, "gamma": gamma}
-        return DraftPlan(gammas=np.full(n, gamma, np.int32))
+        return DraftPlan(gammas=np.full(n, gamma, np.int32), note={"key": key, "gamma": gamma})
 
     # ------------------------------------------------------------------ learning
     def observe(self, outcome: StepOutcome) -> None:
-        decision, self._pending = self._pending, None
+        decision = outcome.plan_note
         if len(outcome.request_ids) == 0:
             return
+        played = int(np.max(outcome.gammas))
         if decision is None:  # a step this policy did not plan: credit what ran
-            decision = {"key": self._key(outcome.batch_size),
-                        "gamma": int(np.max(outcome.gammas))}
+            decision = {"key": self._key(outcome.batch_size), "gamma": played}
         bandit = self._bandit(decision["key"])
         reward = outcome.goodput
-        bandit["counts"][decision["gamma"]] += 1
-        bandit["sums"][decision["gamma"]] += reward
+        arm = min(decision["gamma"], played)  # a plan the engine clipped ran fewer tokens
+        bandit["counts"][arm] += 1
+        bandit["sums"][arm] += reward
         bandit["max"] = max(bandit["max"], reward)
 
     def arm_stats(self) -> dict[str, dict[str, Any]]:
@@ -117,8 +115,7 @@ class UCBPolicy(Policy):
         return {"policy": self.name, "max_gamma": self.max_gamma,
                 "per_batch_bucket": self.per_batch_bucket,
                 "bandits": {k: {"counts": list(b["counts"]), "sums": list(b["sums"]),
-                                "max": b["max"]} for k, b in sorted(self._bandits.items())},
-                "pending": None if self._pending is None else dict(self._pending)}
+                                "max": b["max"]} for k, b in sorted(self._bandits.items())}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
@@ -135,10 +132,6 @@ class UCBPolicy(Policy):
                 if len(counts) != arms or len(sums) != arms:
                     raise ValueError(f"bandit {key} has {len(counts)} arms, expected {arms}")
                 bandits[str(key)] = {"counts": counts, "sums": sums, "max": float(b["max"])}
-            pending = state.get("pending")
-            if pending is not None:
-                pending = {"key": str(pending["key"]), "gamma": int(pending["gamma"])}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed ucb state: {e}") from None
         self._bandits = bandits
-        self._pending = pending

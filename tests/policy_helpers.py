@@ -35,10 +35,12 @@ def make_outcome(view: BatchView, gammas, num_accepted, *, step_time: float = 0.
                  kl=None, confidence=None, accept_prob=None, draft_entropy=None,
                  num_drafted=None, num_verified=None, num_emitted=None,
                  catch_up_time: float = 0.0, catch_up_tokens: int = 0,
-                 draft_time: float = 0.0, num_padded_tokens: int = 0) -> StepOutcome:
+                 draft_time: float = 0.0, num_padded_tokens: int = 0,
+                 plan_note=None) -> StepOutcome:
     """An outcome for ``view``: per-sequence planned γ and accepted counts; per-position signals
     [n, max_gamma] default to NaN (not verified). Emitted = accepted + 1 unless given; the
-    forward's padded width is not given (0) unless ``num_padded_tokens`` says it."""
+    forward's padded width is not given (0) unless ``num_padded_tokens`` says it; ``plan_note``:
+    the note of the plan the step ran (``DraftPlan.note``)."""
     n = view.num_decode
     g = view.max_gamma
     gammas = np.asarray(gammas, np.int64).reshape(n)
@@ -63,7 +65,8 @@ def make_outcome(view: BatchView, gammas, num_accepted, *, step_time: float = 0.
         num_prefill_tokens=view.num_prefill_tokens, accept_prob=signal(accept_prob),
         num_tokens=int((1 + verified).sum()) + view.num_prefill_tokens,
         num_padded_tokens=num_padded_tokens,
-        kl=signal(kl), draft_entropy=signal(draft_entropy), confidence=signal(confidence))
+        kl=signal(kl), draft_entropy=signal(draft_entropy), confidence=signal(confidence),
+        plan_note=plan_note)
 
 
 def make_stats(confidence, num_drafted=None, draft_entropy=None) -> DraftStats:
@@ -83,16 +86,16 @@ class SyntheticEnv:
         self.noise = noise
         self.rng = np.random.default_rng(seed)
 
-    def outcome(self, view: BatchView, gamma: int) -> StepOutcome:
+    def outcome(self, view: BatchView, gamma: int, plan_note=None) -> StepOutcome:
         """A step where every sequence used ``gamma``; emitted tokens fixed at 1 + γ/2 each,
-        step time set so the goodput is the noisy reward."""
+        step time set so the goodput is the noisy reward; ``plan_note`` as make_outcome's."""
         n = view.num_decode
         emitted = np.full(n, 1 + gamma // 2, np.int64)
         goodput = max(self.reward(view.batch_size, gamma) * (1 + self.noise *
                                                             self.rng.standard_normal()), 1e-6)
         step_time = float(emitted.sum()) / goodput
         return make_outcome(view, [gamma] * n, emitted - 1, step_time=step_time,
-                            num_emitted=emitted)
+                            num_emitted=emitted, plan_note=plan_note)
 
 
 def linear_profile() -> StepProfile:

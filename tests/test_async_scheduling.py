@@ -125,15 +125,18 @@ class _Phases(Policy):
         super().__init__(max_gamma)
         self.zeros, self.drafts, self.calls = zeros, drafts, 0
         self.observed = 0
+        self.notes = []  # (the observed step's plan note, the γ it ran, plans made by then)
 
     def plan(self, view: BatchView) -> DraftPlan:
         phase = self.calls % (self.zeros + self.drafts)
         self.calls += 1
         gamma = 0 if phase < self.zeros else 3
-        return DraftPlan(gammas=np.full(view.num_decode, gamma, np.int32))
+        return DraftPlan(gammas=np.full(view.num_decode, gamma, np.int32),
+                         note={"call": self.calls, "gamma": gamma})
 
     def observe(self, outcome) -> None:
         self.observed += 1
+        self.notes.append((outcome.plan_note, int(np.max(outcome.gammas)), self.calls))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -163,6 +166,14 @@ def test_adaptive_policy_overlaps_its_plain_steps(engine_models, mixed_prompts, 
     assert overlapped.metrics.spec_decode_num_drafts > 0  # it did draft between the overlaps
     # every step is observed once, whether its commit came in the same call or the next
     assert overlapped.policy.observed == overlapped.metrics.policy_calls > 0
+    # each step is observed with its own plan's note, though the next step was planned first
+    # (a step clipped at its rows' last tokens may run fewer tokens than planned)
+    notes = overlapped.policy.notes
+    calls = [note["call"] for note, _, _ in notes]
+    assert calls == sorted(set(calls))
+    assert all(played <= note["gamma"] and (note["gamma"] or not played)
+               for note, played, _ in notes)
+    assert sum(note["call"] < made for note, _, made in notes) >= 5  # observed after the next plan
     if temperature == 0.0:
         plain = run_to_completion(make_engine(target, None), prompts, params)
         assert results[1] == _tokens(plain)
@@ -192,4 +203,47 @@ def test_bad_option():
 
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         EngineConfig(async_scheduling="yes")
+
+
+
+def test_bad_option():
+    from jspec.config import EngineConfig
+
+    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+        EngineConfig(async_scheduling="yes")
+
+
+
+def test_a_busy_step_costs_the_interval_between_results(engine_models, ten_prompts):
+    """While the engine is busy, a step's time runs from the previous step's results to its own:
+    the work the loop does between steps (here a caller that sleeps 20 ms after each call) is
+    paid by the steps, in flight or drafting alike, and the intervals never overlap, so they
+    add up to no more than the loop's wall time."""
+    target, draft, _ = engine_models
+    eng = make_engine(target, draft, policy=_Phases(3, zeros=3, drafts=2), warmup=False)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(tag: str):
+        records = []
+        eng.add_step_listener(records.append)
+        for i, prompt in enumerate(ten_prompts[:2]):
+            eng.add_request(f"{tag}{i}", prompt, sp)
+        calls, start = 0, time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+            calls += 1
+            time.sleep(0.02)
+        eng.remove_step_listener(records.append)
+        return records, calls, time.perf_counter() - start
+
+    run("warm")  # compiles what the second run uses
+    eng.policy.calls = 0
+    records, calls, wall = run("")
+    assert eng.metrics.num_async_steps >= 3 and eng.metrics.spec_decode_num_drafts > 0
+    # the first step after idling is timed by its own stages; every sleep but the last (and
+    # the first's, if its results came in a later call) falls between two steps' results
+    busy = sum(r.step_time for r in records[1:])
+    assert 0.02 * (calls - 2) <= busy
+    assert sum(r.step_time for r in records) <= wall
+
 

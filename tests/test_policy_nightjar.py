@@ -41,10 +41,16 @@ def _set_context(policy: NightjarPolicy, batch_size: int, goodput, prev_gamma, c
     policy.load_state_dict(state)
 
 
-def _gamma(policy, view) -> int:
-    gammas = policy.plan(view).gammas
+def _play(policy, view) -> tuple[int, object]:
+    """The arm the policy plays for ``view`` and its plan's note (for the step's outcome)."""
+    plan = policy.plan(view)
+    gammas = plan.gammas
     assert len(set(gammas.tolist())) == 1  # one arm for the whole step
-    return int(gammas[0])
+    return int(gammas[0]), plan.note
+
+
+def _gamma(policy, view) -> int:
+    return _play(policy, view)[0]
 
 
 def _drive(policy, env, batch_sizes, views=None):
@@ -53,8 +59,8 @@ def _drive(policy, env, batch_sizes, views=None):
     played = []
     for b in batch_sizes:
         view = views.setdefault(b, make_view(b))
-        gamma = _gamma(policy, view)
-        policy.observe(env.outcome(view, gamma))
+        gamma, note = _play(policy, view)
+        policy.observe(env.outcome(view, gamma, note))
         played.append(gamma)
     return np.array(played)
 
@@ -156,8 +162,9 @@ def test_unvisited_arms_come_first_lowest_gamma_first():
     p = NightjarPolicy(4)
     view = make_view(1)
     _set_context(p, 1, [100, 0, 120, 0, 90], prev_gamma=2, counts=[3, 0, 2, 0, 1])
-    assert _gamma(p, view) == 1  # τ = 1 of a 4-step bin (H = 16): the bin stays open
-    p.observe(make_outcome(view, [1], [1], step_time=0.01))
+    gamma, note = _play(p, view)
+    assert gamma == 1  # τ = 1 of a 4-step bin (H = 16): the bin stays open
+    p.observe(make_outcome(view, [1], [1], step_time=0.01, plan_note=note))
     assert p.context_stats()[1]["counts"] == [3, 1, 2, 0, 1]
     assert _gamma(p, view) == 3
 
@@ -207,6 +214,26 @@ def test_bin_and_block_counters_follow_algorithm_1():
     _drive(p, env, [1] * 25)  # block 6: steps 27-51
     assert counters() == (7, 64, 1, 1)
     assert sum(p.context_stats()[1]["counts"]) == 51
+
+
+def test_a_step_is_credited_with_its_own_plan_and_the_arm_it_ran():
+    """Asynchronous scheduling plans the next step before observing this one: each outcome
+    brings its plan's note, whatever was planned since. A plan the engine clipped (rows at
+    their last tokens) is a sample of the arm that ran."""
+    p = NightjarPolicy(4, prior=False, seed=0)
+    view = make_view(2)
+    first, second = p.plan(view).note, p.plan(view).note  # planned before either is observed
+    for note in (first, second):
+        p.observe(make_outcome(view, [note["gamma"]] * 2, [0, 0], step_time=0.01,
+                               plan_note=note))
+    stats = p.context_stats()[2]
+    assert stats["samples"][first["gamma"]] >= 1 and sum(stats["samples"]) == 2
+    assert stats["j"] == 3  # both steps advanced Algorithm 1's counters (block 3 by now)
+    clipped = {"context": 2, "gamma": 3, "forced": False}
+    p.observe(make_outcome(view, [0, 0], [0, 0], step_time=0.01, plan_note=clipped))
+    after = p.context_stats()[2]
+    assert after["counts"][3] == stats["counts"][3]
+    assert after["samples"][0] == stats["samples"][0] + 1
 
 
 def test_offloaded_draft_forces_zero_and_does_not_advance_counters():
@@ -313,8 +340,8 @@ def _throughput(policy, env, steps, batch=32, skip=0):
     tokens = seconds = 0.0
     played = []
     for t in range(steps):
-        gamma = _gamma(policy, view)
-        outcome = env.outcome(view, gamma)
+        gamma, note = _play(policy, view)
+        outcome = env.outcome(view, gamma, note)
         policy.observe(outcome)
         played.append(gamma)
         if t >= skip:
@@ -330,10 +357,11 @@ def test_rewards_of_steps_that_carry_prefill():
     def run(**options):
         p = NightjarPolicy(2, **options)
         for view, gamma, step_time in ((decode, 0, 0.01), (mixed, 1, 0.1)):
-            assert p.plan(view).gammas.size == 4
-            p._pending["gamma"] = gamma  # play this arm (the bin's own draw is random)
+            plan = p.plan(view)
+            assert plan.gammas.size == 4
+            note = {**plan.note, "gamma": gamma}  # play this arm (the bin's own draw is random)
             p.observe(make_outcome(view, [gamma] * 4, [gamma] * 4, step_time=step_time,
-                                   draft_time=0.01 * gamma))
+                                   draft_time=0.01 * gamma, plan_note=note))
         return p, p.context_stats()[4]
 
     # default: the mixed step's 8 tokens over its decode share of the time. Two steps say
@@ -422,7 +450,9 @@ def test_the_marginal_reward_finds_the_arm_the_proportional_one_misses():
         view = make_view(env.batch, max_gamma=3)
         played, tokens, seconds = [], 0.0, 0.0
         for t in range(2000):
-            outcome = env.outcome(_gamma(policy, view), 3)
+            gamma, note = _play(policy, view)
+            outcome = env.outcome(gamma, 3)
+            outcome.plan_note = note
             policy.observe(outcome)
             if t >= 1000:
                 played.append(int(outcome.gammas[0]))
@@ -443,8 +473,8 @@ def test_drift_zero_is_the_cumulative_moving_average():
     p = NightjarPolicy(0, drift=0.0)
     view = make_view(1, max_gamma=0)
     for r in rewards:
-        _gamma(p, view)
-        p.observe(make_outcome(view, [0], [0], step_time=1.0 / r))
+        note = _play(p, view)[1]
+        p.observe(make_outcome(view, [0], [0], step_time=1.0 / r, plan_note=note))
     assert p.context_stats()[1]["goodput"][0] == pytest.approx(np.mean(rewards))
 
 
@@ -453,8 +483,8 @@ def test_drift_follows_a_changed_reward_faster_than_the_cumulative_average():
         p = NightjarPolicy(0, drift=drift)
         view = make_view(1, max_gamma=0)
         for r in [100.0] * 300 + [200.0] * 60:
-            _gamma(p, view)
-            p.observe(make_outcome(view, [0], [0], step_time=1.0 / r))
+            note = _play(p, view)[1]
+            p.observe(make_outcome(view, [0], [0], step_time=1.0 / r, plan_note=note))
         return p.context_stats()[1]["goodput"][0]
 
     assert final(0.0) == pytest.approx((300 * 100 + 60 * 200) / 360)  # 117: still the old regime
@@ -522,10 +552,10 @@ def test_an_exploration_bin_ends_when_its_arm_is_shown_to_be_worse():
     p.load_state_dict(state)
     played = []
     for _ in range(16):
-        gamma = _gamma(p, view)
+        gamma, note = _play(p, view)
         played.append(gamma)
         p.observe(make_outcome(view, [gamma] * 8, [0] * 8,
-                               step_time=8 / (400.0 if gamma else 1000.0)))
+                               step_time=8 / (400.0 if gamma else 1000.0), plan_note=note))
     # it really scores 400 tok/s: after a few samples the bin exploits γ = 0 to its end
     assert played[0] == 1 and 1 < played.count(1) <= 4
     assert played[played.count(1):] == [0] * (16 - played.count(1))
@@ -728,9 +758,9 @@ def test_catch_up_is_charged_by_eq3_not_by_the_arm_that_ran_it():
         view = make_view(8, max_gamma=4)
         for prev in (0, 4):
             p._prev_gamma = prev
-            p._pending = {"context": 8, "gamma": 4, "forced": False}
             p.observe(make_outcome(view, [4] * 8, [3] * 8, step_time=0.04, catch_up_time=0.02,
-                                   catch_up_tokens=64))
+                                   catch_up_tokens=64,
+                                   plan_note={"context": 8, "gamma": 4, "forced": False}))
             assert p.context_stats()[8]["goodput"][4] == pytest.approx(expected), catch_up
 
 
@@ -743,12 +773,12 @@ def test_an_arm_is_judged_against_the_leading_arms_last_steps():
         p = NightjarPolicy(1, prior=False, switching_cost=False, seed=0, whiten=whiten)
         view = make_view(8, max_gamma=1)
         for step in range(200):  # γ = 0 leads: 1000 tok/s, then a spell at half the speed
-            p._pending = {"context": 8, "gamma": 0, "forced": False}
             p.observe(make_outcome(view, [0] * 8, [0] * 8,
-                                   step_time=0.008 if step < 190 else 0.016))
+                                   step_time=0.008 if step < 190 else 0.016,
+                                   plan_note={"context": 8, "gamma": 0, "forced": False}))
         for _ in range(3):  # γ = 1 explored in the spell: 1500 tok/s outside it
-            p._pending = {"context": 8, "gamma": 1, "forced": False}
-            p.observe(make_outcome(view, [1] * 8, [1] * 8, step_time=16 / 750.0))
+            p.observe(make_outcome(view, [1] * 8, [1] * 8, step_time=16 / 750.0,
+                                   plan_note={"context": 8, "gamma": 1, "forced": False}))
         assert p.rho > 0.5
         assert p.context_stats()[8]["goodput"][1] == pytest.approx(expected, rel=0.1), whiten
 

@@ -29,9 +29,10 @@ def _drive(policy, env, batch_sizes):
     views, played = {}, []
     for b in batch_sizes:
         view = views.setdefault(b, make_view(b))
-        gammas = policy.plan(view).gammas
+        plan = policy.plan(view)
+        gammas = plan.gammas
         assert len(set(gammas.tolist())) == 1
-        policy.observe(env.outcome(view, int(gammas[0])))
+        policy.observe(env.outcome(view, int(gammas[0]), plan.note))
         played.append(int(gammas[0]))
     return np.array(played)
 
