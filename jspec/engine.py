@@ -102,6 +102,8 @@ class LLMEngine:
         self.reset_metrics()
         self.last_outcome: StepRecord | None = None
         self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
+        # when the last committed step's results reached the host (None: idle since)
+        self._last_done: float | None = None
         self.overlap = AsyncSteps(self) if config.async_scheduling else SyncSteps(self)
         self.probe = EngineProbe(self)  # benchmarks' and the step-time profile's hooks
         self._step_listeners: list[Callable[[StepRecord], None]] = []
@@ -359,7 +361,15 @@ class LLMEngine:
                                              st.draft_tokens, st.row_gammas(), st.logprobs))
         if st.gamma:
             st.proposer.read_back(st)
-        st.fetch_time = time.perf_counter() - t_fetch
+        done = time.perf_counter()
+        st.fetch_time = done - t_fetch
+        if self._last_done is not None:
+            # while the engine is busy a step costs the interval between the previous step's
+            # results and its own: a step left in flight ran on the device while the host worked
+            # on the next one, which its own laps miss, and the host's work between steps (the
+            # commit of the step before, the caller's) is paid per step whatever it drafted
+            clock.period = done - self._last_done
+        self._last_done = done
         if st.held:
             commit.release(st)
         outputs = self.committer.commit(st, fetched.result, fetched.drafted, fetched.logprobs)
@@ -367,8 +377,10 @@ class LLMEngine:
         clock.lap("commit")
         self._observe(st, fetched, clock)
         st.drop_device_buffers()
-        if self.elastic is not None and not self.scheduler.has_unfinished():
-            self.elastic.tick()  # idle from now on: contract while nothing runs
+        if not self.scheduler.has_unfinished():
+            self._last_done = None  # idle from now on: the next step is timed by its laps
+            if self.elastic is not None:
+                self.elastic.tick()  # contract while nothing runs
         return outputs
 
     def _observe(self, st: StepState, fetched: Fetched, clock: StageClock) -> None:

@@ -114,7 +114,7 @@ class EngineMetrics:
     verify_time: float = 0.0
     catch_up_time: float = 0.0
     catch_up_tokens: int = 0
-    host_time: float = 0.0  # step time outside the draft / verify / catch-up stages
+    host_time: float = 0.0  # the steps' own stages other than draft / verify / catch-up
     policy_time: float = 0.0  # inside the policy's plan / select / observe (part of host_time)
     policy_calls: int = 0  # steps in which the policy was consulted
     # elastic memory (Nightjar §5; jspec/elastic.py)
@@ -158,8 +158,11 @@ class EngineMetrics:
         self.verify_time += outcome.verify_time
         self.catch_up_time += outcome.catch_up_time
         self.catch_up_tokens += outcome.catch_up_tokens
-        self.host_time += (outcome.step_time - outcome.draft_time - outcome.verify_time
-                           - outcome.catch_up_time - outcome.intermediate_time)
+        # the host's stages: the step's own laps (its time, while the engine is busy, also
+        # holds the work between steps and device time the host did not wait for)
+        self.host_time += (sum(outcome.stage_times.values()) - outcome.draft_time
+                           - outcome.verify_time - outcome.catch_up_time
+                           - outcome.intermediate_time)
         for stage, seconds in outcome.stage_times.items():
             self.stage_time[stage] = self.stage_time.get(stage, 0.0) + seconds
         if outcome.num_decode:

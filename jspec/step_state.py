@@ -133,6 +133,7 @@ class StageClock:
         self.start = self.last = time.perf_counter()
         self.skipped = 0.0
         self.times = dict.fromkeys(STAGES, 0.0)
+        self.period: float | None = None  # results to results (``total``)
 
     def lap(self, stage: str, *outputs) -> None:
         if self.sync and outputs:
@@ -150,4 +151,8 @@ class StageClock:
 
     @property
     def total(self) -> float:
+        """The step's time: its ``period`` while the engine is busy (``LLMEngine.complete``),
+        else its stages' laps."""
+        if self.period is not None:
+            return self.period
         return self.last - self.start - self.skipped

@@ -102,7 +102,8 @@ class ServerMetrics:
         # -- per engine step, on the engine thread (the step listener)
         self.steps = Counter("jspec_engine_steps", "Engine steps", registry=r)
         self.step_time = Histogram("jspec_engine_step_time_seconds", "Wall-clock time of each "
-                                   "engine step", registry=r, buckets=STEP_TIME_BUCKETS)
+                                   "engine step (while busy: from the previous step's results "
+                                   "to its own)", registry=r, buckets=STEP_TIME_BUCKETS)
         self.step_batch_size = Histogram("jspec_engine_step_batch_size", "Sequences in each "
                                          "engine step (decoding and prefilling)", registry=r,
                                          buckets=BATCH_SIZE_BUCKETS)
