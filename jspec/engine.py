@@ -104,6 +104,8 @@ class LLMEngine:
         self.last_step: StepState | None = None  # the last step's state (benchmarks replay it)
         # when the last committed step's results reached the host (None: idle since)
         self._last_done: float | None = None
+        # committed steps whose records wait for the next dispatch (``observe_pending``)
+        self._unobserved: list[tuple] = []
         self.overlap = AsyncSteps(self) if config.async_scheduling else SyncSteps(self)
         self.probe = EngineProbe(self)  # benchmarks' and the step-time profile's hooks
         self._step_listeners: list[Callable[[StepRecord], None]] = []
@@ -258,6 +260,7 @@ class LLMEngine:
         is then not known to be fit for another step). The queues empty and the requests' KV
         blocks go back to the pool, so ``stats()`` says nothing runs. Returns their ids."""
         self.overlap.drop()
+        self.observe_pending()  # the steps committed before the failure
         self.outputs.take_pending()
         scheduler = self.scheduler
         dropped = [seq.request_id for seq in scheduler.running + scheduler.waiting]
@@ -306,14 +309,17 @@ class LLMEngine:
         clock = StageClock(sync=self.time_stages or self.policy.timed_stages)
         sched = self._schedule(clock)
         if not sched.scheduled:
+            self.observe_pending()
             return outputs
         st = self.overlap.planned(self._plan(sched, clock), outputs, clock)
         if st is None:                                  # every sequence ended at the step before
+            self.observe_pending()
             return outputs
         self._propose(st, clock)
         self._verify(st, clock, outputs)
         self.executor.accept(st, clock)
         self.planner.after_dispatch(st)                 # drafters' host work, device busy
+        self.observe_pending()                          # the steps before it, device busy
         clock.lap("deferred")
         return outputs + self.overlap.finish(st)        # fetch → commit → observe, or in flight
 
@@ -375,18 +381,33 @@ class LLMEngine:
         outputs = self.committer.commit(st, fetched.result, fetched.drafted, fetched.logprobs)
         st.tokens = fetched.result.tokens
         clock.lap("commit")
-        self._observe(st, fetched, clock)
+        sched = self.scheduler
+        observation = (st, fetched, clock, (sched.num_running, sched.num_waiting))
+        self.last_step = st
         st.drop_device_buffers()
-        if not self.scheduler.has_unfinished():
+        if self.overlap.defers_observation():
+            # recorded once the next step is dispatched, while the device runs it
+            self._unobserved.append(observation)
+        else:
+            self._observe(*observation)
+        if not sched.has_unfinished():
             self._last_done = None  # idle from now on: the next step is timed by its laps
+            self.observe_pending()  # every record in place before the caller looks
             if self.elastic is not None:
                 self.elastic.tick()  # contract while nothing runs
         return outputs
 
-    def _observe(self, st: StepState, fetched: Fetched, clock: StageClock) -> None:
+    def observe_pending(self) -> None:
+        """Record the committed steps whose records wait for the device's next step."""
+        pending, self._unobserved = self._unobserved, []
+        for observation in pending:
+            self._observe(*observation)
+
+    def _observe(self, st: StepState, fetched: Fetched, clock: StageClock,
+                 queue: tuple[int, int]) -> None:
         """The step's one record: to the metrics, elastic memory, the policy and the step
         listeners."""
-        outcome = build_record(st, fetched, clock, self.scheduler, self.planner.spec.num_models)
+        outcome = build_record(st, fetched, clock, queue, self.planner.spec.num_models)
         self.metrics.observe(outcome)
         if self.elastic is not None:
             self.elastic.observe(outcome.num_decode > 0, st.gamma, self.config.max_num_seqs)
@@ -394,7 +415,7 @@ class LLMEngine:
             t_policy = time.perf_counter()
             self.policy.observe(outcome)
             self.metrics.policy_time += time.perf_counter() - t_policy
-        self.last_outcome, self.last_step = outcome, st
+        self.last_outcome = outcome
         for fn in self._step_listeners:
             fn(outcome)
 

@@ -110,7 +110,8 @@ class EngineStats:
 
     Taken without a lock: called from another thread while the engine steps, each field is read
     whole, but fields may come from consecutive steps (``num_running`` before a step and
-    ``num_waiting`` after it, say)."""
+    ``num_waiting`` after it, say). The counters (``metrics``) take in a step with its record:
+    with asynchronous scheduling once the next step is dispatched, or once the engine idles."""
 
     num_running: int  # sequences in the running batch
     num_waiting: int  # requests waiting for a slot (the queue depth)

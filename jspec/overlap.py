@@ -54,6 +54,10 @@ class SyncSteps:
         """Forget the step in flight (the caller failed its requests)."""
         self.inflight = None
 
+    def defers_observation(self) -> bool:
+        """Whether a committed step's record may wait for the next step's dispatch."""
+        return False
+
 
 class AsyncSteps(SyncSteps):
     """Decode-only γ = 0 steps overlap the commit of the step before them."""
@@ -123,6 +127,12 @@ class AsyncSteps(SyncSteps):
 
     def drop(self) -> None:
         self.inflight = self.prev = None
+
+    def defers_observation(self) -> bool:
+        """As overlap: a policy that learns with a step's lag anyway (module docstring), and
+        no elastic memory, several processes or synced stage timing, which read each step's
+        record at once."""
+        return self.ready()
 
     def _replan(self, st: StepState) -> StepState | None:
         """``st`` was planned while the previous step was in flight and drafts after all, so

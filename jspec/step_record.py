@@ -60,10 +60,11 @@ def _signal_reader(st: "StepState", fetched: "Fetched", verified: np.ndarray, ma
     return signal
 
 
-def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", scheduler,
-                 num_models: int = 1) -> StepRecord:
-    """The step's record; ``num_models``: the pool indices below it are draft models (the
-    rest lookups, which run no draft forward)."""
+def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock",
+                 queue: tuple[int, int], num_models: int = 1) -> StepRecord:
+    """The step's record; ``queue``: the scheduler's running and waiting requests after the
+    step's commit; ``num_models``: the pool indices below it are draft models (the rest
+    lookups, which run no draft forward)."""
     idx = st.decode_idx
     decode_rows = st.decode_rows
     n = len(decode_rows)
@@ -104,7 +105,7 @@ def build_record(st: "StepState", fetched: "Fetched", clock: "StageClock", sched
         draft_entropy=signal("draft_entropy"), confidence=signal("confidence"),
         stage_times=dict(t), gamma_bucket=gamma, num_tokens=st.num_tokens,
         num_padded_tokens=st.num_padded_tokens,
-        num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+        num_running=queue[0], num_waiting=queue[1],
         chain=chain, intermediate_time=t["intermediate"], spec_counts=counts,
         drafter_counts=by_drafter, drafters=drafters, model_forwards=model_forwards,
         plan_note=None if st.plan is None else st.plan.note, **extra)

@@ -95,8 +95,6 @@ class DrafterChoice:
         # lookup -> per draft depth, decayed Σ accepted and Σ predicted tokens of the rows it
         # drafted with estimates
         self._calibration: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        # request -> (lookup, its estimates) of the rows the last plan gave a scored lookup
-        self._predicted: dict[str, tuple[int, np.ndarray]] = {}
         self._cands: dict[tuple[tuple[int, ...], bool], _Candidates] = {}  # by (buckets, model)
         # per plan, decayed means of the seconds its drafts were predicted to save over plain
         # decoding (0 for a plain plan) and of the seconds it took (survey included); None
@@ -257,13 +255,15 @@ class DrafterChoice:
                 gain = float(final_tokens[k].sum() * (plain / n - 1.0 / values[k]))
             self._planned(gain, time.perf_counter() - started)
         if best is None:
-            self._predicted = {}
             return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
         _, chosen, model_gamma = best
         gammas = np.where(chosen == model, model_gamma, np.where(chosen >= 0, g, 0))
-        self._predicted = {ids[i]: (d, scored[d][i]) for i, d in enumerate(chosen.tolist())
-                           if d in scored and not np.isnan(scored[d][i, 0])}
-        return DraftPlan(gammas=gammas.astype(np.int32), drafters=chosen)
+        # request -> (lookup, its estimates) of the rows given a scored lookup: calibrated
+        # against what the step accepts (``observe``, from the step's own plan note)
+        predicted = {ids[i]: (d, scored[d][i]) for i, d in enumerate(chosen.tolist())
+                     if d in scored and not np.isnan(scored[d][i, 0])}
+        return DraftPlan(gammas=gammas.astype(np.int32), drafters=chosen,
+                         note={"predicted": predicted} if predicted else None)
 
     def _skips_plan(self) -> bool:
         """Whether this step decodes plainly without a plan (module docstring): sampling at
@@ -274,7 +274,6 @@ class DrafterChoice:
             self._unplanned = 0
             return False
         self._unplanned += 1
-        self._predicted = {}
         return True
 
     def _planned(self, gain: float, seconds: float) -> None:
@@ -351,9 +350,11 @@ class DrafterChoice:
                 self.rate[d] = (1 - _EMA) * self.rate.get(d, self.alpha0) + _EMA * r
                 self.judged[d] = (1 - _EMA) * self.judged.get(d, 0.0) + jud
         verified = np.asarray(outcome.num_verified, np.int64)
+        note = outcome.plan_note
+        predicted = note.get("predicted", {}) if isinstance(note, dict) else {}
         for i in np.flatnonzero(drafters >= 0).tolist():
             rid = outcome.request_ids[i]
-            d, probs = self._predicted.pop(rid, (None, None))
+            d, probs = predicted.get(rid, (None, None))
             if d == drafters[i] and verified[i] > 0:
                 self._calibrate(d, probs, int(accepted[i]), int(verified[i]))
             own = self.seqs.setdefault(rid, {}).setdefault(int(drafters[i]), [0.0, 0.0])

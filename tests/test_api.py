@@ -344,11 +344,12 @@ def test_engine_limits_and_stats(tiny_llm):
         assert (running.num_running, running.num_waiting) == (1, 0)
         assert running.kv_blocks_used > 0
         assert running.kv_blocks_used + running.kv_blocks_free == running.kv_blocks_total
-        assert running.num_steps == idle.num_steps + 1 == engine.metrics.num_steps
-        assert running.metrics["num_prefill_tokens"] == idle.metrics["num_prefill_tokens"] + 3
     finally:
         engine.abort_request("stats-0")
         engine.step()  # hands out the aborted request's output
     done = engine.stats()
     assert (done.num_running, done.num_waiting, done.kv_blocks_used) == (0, 0, 0)
+    # a step's record (the counters) is in place once the next step runs or the engine idles
+    assert done.num_steps == idle.num_steps + 1 == engine.metrics.num_steps
+    assert done.metrics["num_prefill_tokens"] == idle.metrics["num_prefill_tokens"] + 3
     assert done.metrics["num_requests_aborted"] == idle.metrics["num_requests_aborted"] + 1

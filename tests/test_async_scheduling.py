@@ -240,3 +240,31 @@ def test_a_busy_step_costs_the_interval_between_results(engine_models, ten_promp
     assert sum(r.step_time for r in records) <= wall
 
 
+
+
+def test_a_steps_record_waits_for_the_next_dispatch(engine_models, ten_prompts):
+    """A committed step is recorded (metrics, policy, listeners) once the next step is
+    dispatched, while the device runs it, so a step that drafts keeps that host work off the
+    path between its results and the next dispatch. Once the engine idles every record is in
+    place, in step order, with the queue its own commit left; with stages timed (benchmarks)
+    each step is recorded in its own call."""
+    target, draft, _ = engine_models
+    sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 17)]
+    for timed in (False, True):
+        eng = make_engine(target, draft, policy=_Phases(3, zeros=2, drafts=2), warmup=False)
+        eng.time_stages = timed
+        commits = []
+        commit = eng.committer.commit
+        eng.committer.commit = lambda *a: commits.append(1) or commit(*a)
+        seen = []
+        eng.add_step_listener(seen.append)
+        for i, prompt in enumerate(ten_prompts[:2]):
+            eng.add_request(str(i), prompt, sp[i])
+        behind = 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            behind = max(behind, len(commits) - len(seen))
+        assert len(seen) == len(commits) == eng.metrics.num_steps
+        assert behind == (0 if timed else 1)
+        assert [r.num_running for r in seen][-1] == 0
+        assert min(r.num_running for r in seen[:-1]) >= 1

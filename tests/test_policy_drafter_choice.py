@@ -29,9 +29,10 @@ def _times(target_per_token: float, draft_forward: float, fixed: float = 0.01):
                                             + forwards * draft_forward)
 
 
-def _learn(choice: DrafterChoice, view, drafters, accepted, gamma: int = 4):
+def _learn(choice: DrafterChoice, view, drafters, accepted, gamma: int = 4, note=None):
+    """A step's outcome; ``note``: the note of the plan it ran (its lookups' estimates)."""
     drafters = np.asarray(drafters)
-    out = make_outcome(view, np.where(drafters >= 0, gamma, 0), accepted)
+    out = make_outcome(view, np.where(drafters >= 0, gamma, 0), accepted, plan_note=note)
     choice.observe(dataclasses.replace(out, drafters=drafters))
 
 
@@ -297,7 +298,7 @@ def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
         plan = choice.plan(view, MODEL, (SUFFIX,), BUCKETS, times)
         if plan.drafters[0] != SUFFIX:
             break
-        _learn(choice, view, [SUFFIX], [1])
+        _learn(choice, view, [SUFFIX], [1], note=plan.note)
     # per depth: the first token was always accepted, the second never, the rest never judged
     first, second, *rest = choice.calibration(SUFFIX, 4)
     assert first == pytest.approx(1.0) and second < 0.5 and rest == [1.0, 1.0]
@@ -309,8 +310,8 @@ def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
     # a row verified past its estimates (its draft redrawn after the survey) teaches only the
     # depths the estimates cover
     before = choice.calibration(SUFFIX, 4)
-    choice._predicted = {view.request_ids[0]: (SUFFIX, np.array([0.5, np.nan, np.nan, np.nan]))}
-    _learn(choice, view, [SUFFIX], [3])
+    estimates = {view.request_ids[0]: (SUFFIX, np.array([0.5, np.nan, np.nan, np.nan]))}
+    _learn(choice, view, [SUFFIX], [3], note={"predicted": estimates})
     after = choice.calibration(SUFFIX, 4)
     assert np.isfinite(after).all() and after[0] > before[0]
     assert after[1] == pytest.approx(before[1], rel=0.01)  # older evidence decayed, no more
