@@ -158,11 +158,8 @@ class EngineMetrics:
         self.verify_time += outcome.verify_time
         self.catch_up_time += outcome.catch_up_time
         self.catch_up_tokens += outcome.catch_up_tokens
-        # the host's stages: the step's own laps (its time, while the engine is busy, also
-        # holds the work between steps and device time the host did not wait for)
-        self.host_time += (sum(outcome.stage_times.values()) - outcome.draft_time
-                           - outcome.verify_time - outcome.catch_up_time
-                           - outcome.intermediate_time)
+        self.host_time += (outcome.stage_total - outcome.draft_time - outcome.verify_time
+                           - outcome.catch_up_time - outcome.intermediate_time)
         for stage, seconds in outcome.stage_times.items():
             self.stage_time[stage] = self.stage_time.get(stage, 0.0) + seconds
         if outcome.num_decode:

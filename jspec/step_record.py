@@ -38,6 +38,12 @@ class StepRecord(StepOutcome):
     spec_counts: SpecCounts | None = None
     drafter_counts: DrafterCounts | None = None
 
+    @property
+    def stage_total(self) -> float:
+        """The seconds of the step's own stages; ``step_time``, while the engine is busy, also
+        holds the work between steps and device time the host did not wait for."""
+        return sum(self.stage_times.values())
+
 
 def _signal_reader(st: "StepState", fetched: "Fetched", verified: np.ndarray, max_gamma: int):
     """Per-position signal ``name`` for the decoding rows, NaN past what was verified (one

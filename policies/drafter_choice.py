@@ -350,8 +350,7 @@ class DrafterChoice:
                 self.rate[d] = (1 - _EMA) * self.rate.get(d, self.alpha0) + _EMA * r
                 self.judged[d] = (1 - _EMA) * self.judged.get(d, 0.0) + jud
         verified = np.asarray(outcome.num_verified, np.int64)
-        note = outcome.plan_note
-        predicted = note.get("predicted", {}) if isinstance(note, dict) else {}
+        predicted = outcome.plan_note["predicted"] if outcome.plan_note else {}
         for i in np.flatnonzero(drafters >= 0).tolist():
             rid = outcome.request_ids[i]
             d, probs = predicted.get(rid, (None, None))
