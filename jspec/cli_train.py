@@ -59,6 +59,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "(default: EAGLE-3's low, middle and high layer)")
         parser.add_argument("--depth", type=int, default=3,
                             help="training-time test: passes unrolled per step (1: none)")
+        parser.add_argument("--hidden-size", type=int, default=None,
+                            help="the head's width (default: the target's); a narrower head "
+                                 "has its own token embedding")
+        parser.add_argument("--num-heads", type=int, default=None,
+                            help="the head's attention heads, of the target's head size "
+                                 "(default: the target's, or width / head size if narrower)")
+        parser.add_argument("--num-kv-heads", type=int, default=None,
+                            help="the head's key/value heads (default: the target's, or 1 if "
+                                 "narrower)")
+        parser.add_argument("--intermediate-size", type=int, default=None,
+                            help="the head's MLP width (default: the target's)")
+        parser.add_argument("--init-embedding", metavar="DIR", default=None,
+                            help="start a narrower head's token embedding, final norm and "
+                                 "output layer from this checkpoint of its width over the "
+                                 "target's vocabulary (e.g. the draft model)")
         _self_generated_arguments(parser)
         return
     if mode == "train":
@@ -265,11 +280,21 @@ def _train_eagle(args, ckpt_dir: str) -> int:
         windows = _self_generated(args, windows, tokenizer, ckpt_dir)
     vocab = min(args.draft_vocab_size, t_cfg.vocab_size)
     d2t = draft_vocabulary(windows, vocab, t_cfg.vocab_size, tuple(t_cfg.eos_token_ids))
-    ecfg = head_config(t_cfg, vocab, aux)
-    params = init_head(ecfg, d2t, seed=args.seed)
+    ecfg = head_config(t_cfg, vocab, aux, hidden_size=args.hidden_size,
+                       num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                       intermediate_size=args.intermediate_size)
+    init_from = None
+    if args.init_embedding:
+        i_cfg, init_from = load_checkpoint(args.init_embedding, dtype=jnp.float32)
+        if i_cfg.vocab_size != t_cfg.vocab_size:
+            raise ValueError(f"--init-embedding {args.init_embedding!r} has a vocabulary of "
+                             f"{i_cfg.vocab_size} tokens, the target {t_cfg.vocab_size}")
+    params = init_head(ecfg, d2t, seed=args.seed, init_from=init_from)
     n = sum(a.size for a in jax.tree_util.tree_leaves(params)) - params["d2t"].size
     covered = np.isin(windows, d2t).mean()
-    print(f"head: {n / 1e6:.2f}M params, reads target layers {ecfg.aux_layers}; draft "
+    print(f"head: {n / 1e6:.2f}M params (width {ecfg.layer.hidden_size}, "
+          f"{'own' if ecfg.own_embed else 'shared'} embedding), reads target layers "
+          f"{ecfg.aux_layers}; draft "
           f"vocabulary {vocab} tokens ({covered:.1%} of the training tokens); {args.steps} steps "
           f"x {args.batch_size} x {args.seq_len} tokens, depth {args.depth}")
     params, agree = train_head(t_cfg, t_params, ecfg, params, windows[:, :args.seq_len],

@@ -20,6 +20,7 @@ rarely accepted anyway); ``d2t`` places them in the target's vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -35,13 +36,36 @@ from jspec.models.transformer import dense_forward, rms_norm, rope_tables
 
 
 def head_config(target: ModelConfig, draft_vocab_size: int,
-                aux_layers: tuple[int, ...] | None = None) -> EagleConfig:
+                aux_layers: tuple[int, ...] | None = None, *, hidden_size: int | None = None,
+                num_heads: int | None = None, num_kv_heads: int | None = None,
+                intermediate_size: int | None = None) -> EagleConfig:
     """A head shaped like one of ``target``'s layers (EAGLE-3's choice: the head is a target
-    layer with a wider input)."""
+    layer with a wider input), or narrower: ``hidden_size`` (with ``num_heads`` and
+    ``num_kv_heads`` of the target's head size) and ``intermediate_size``. A head narrower than
+    the target cannot share its embedding and has its own (``own_embed``): in a shallow target
+    one target-wide layer costs as much as a whole small draft model (docs/benchmarks.md,
+    "EAGLE-3 head against the other drafters")."""
     aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(target.num_layers)
-    return EagleConfig(layer=layer_config_for(target), draft_vocab_size=draft_vocab_size,
-                       target_hidden_size=target.hidden_size, aux_layers=aux, own_embed=False,
-                       norm_before_residual=False, layout="eagle3")
+    layer = layer_config_for(target)
+    h = layer.hidden_size if hidden_size is None else hidden_size
+    heads = num_heads if num_heads is not None else (
+        layer.num_heads if hidden_size is None else max(h // layer.head_dim, 1))
+    kv_heads = num_kv_heads if num_kv_heads is not None else (
+        layer.num_kv_heads if heads == layer.num_heads else 1)
+    inter = layer.intermediate_size if intermediate_size is None else intermediate_size
+    for name, value in (("hidden_size", h), ("num_heads", heads), ("num_kv_heads", kv_heads),
+                        ("intermediate_size", inter)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"the head's {name} must be a positive integer, got {value!r}")
+    if heads % kv_heads:
+        raise ValueError(f"the head's num_heads {heads} must be a multiple of its num_kv_heads "
+                         f"{kv_heads}")
+    layer = dataclasses.replace(layer, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads,
+                                intermediate_size=inter)
+    return EagleConfig(layer=layer, draft_vocab_size=draft_vocab_size,
+                       target_hidden_size=target.hidden_size, aux_layers=aux,
+                       own_embed=h != target.hidden_size, norm_before_residual=False,
+                       layout="eagle3")
 
 
 def draft_vocabulary(windows: np.ndarray, size: int, vocab_size: int,
@@ -57,8 +81,12 @@ def draft_vocabulary(windows: np.ndarray, size: int, vocab_size: int,
     return np.sort(order[:size]).astype(np.int32)
 
 
-def init_head(ecfg: EagleConfig, d2t: np.ndarray, seed: int = 0, std: float = 0.02) -> dict:
-    """Random head params (float32): normal(0, std) weights, norms at 1."""
+def init_head(ecfg: EagleConfig, d2t: np.ndarray, seed: int = 0, std: float = 0.02,
+              init_from: dict | None = None) -> dict:
+    """Random head params (float32): normal(0, std) weights, norms at 1. ``init_from``: the
+    params of a model of the head's width over the target's vocabulary (the draft model), whose
+    token embedding, final norm and output layer (at the draft vocabulary's tokens) the head
+    starts from instead; only for a head with its own embedding."""
     cfg = ecfg.layer
     h, i = cfg.hidden_size, cfg.intermediate_size
     rng = np.random.default_rng(seed)
@@ -66,7 +94,7 @@ def init_head(ecfg: EagleConfig, d2t: np.ndarray, seed: int = 0, std: float = 0.
     def w(*shape):
         return jnp.asarray(std * rng.standard_normal(shape), jnp.float32)
 
-    return {
+    params = {
         "fc": w(len(ecfg.aux_layers) * ecfg.target_hidden_size, h),
         "layer": {"hidden_norm": jnp.ones(h), "attn_norm": jnp.ones(h),
                   "wqkv": w(2 * h, cfg.q_size + 2 * cfg.kv_size), "wo": w(cfg.q_size, h),
@@ -75,6 +103,22 @@ def init_head(ecfg: EagleConfig, d2t: np.ndarray, seed: int = 0, std: float = 0.
         "lm_head": w(h, ecfg.draft_vocab_size),
         "d2t": jnp.asarray(d2t, jnp.int32),
     }
+    if ecfg.own_embed:
+        params["embed"] = w(cfg.vocab_size, h)
+    if init_from is not None:
+        if not ecfg.own_embed:
+            raise ValueError("a head of the target's width shares the target's embedding; "
+                             "there is nothing to initialise from another model")
+        shape = tuple(init_from["embed"].shape)
+        if shape != (cfg.vocab_size, h):
+            raise ValueError(f"the model to initialise from has an embedding of shape {shape}; "
+                             f"the head needs ({cfg.vocab_size}, {h}) (the target's vocabulary "
+                             f"at the head's width)")
+        params["embed"] = jnp.asarray(init_from["embed"], jnp.float32)
+        params["final_norm"] = jnp.asarray(init_from["final_norm"], jnp.float32)
+        params["lm_head"] = jnp.asarray(np.asarray(init_from["lm_head"])[:, np.asarray(d2t)],
+                                        jnp.float32)
+    return params
 
 
 def _ttt_attention(q, keys, values, depth: int, cfg: ModelConfig):
@@ -149,8 +193,8 @@ def ttt_loss(params: dict, target_params: dict, windows: jax.Array, *, target_cf
         t_logits, aux = jax.lax.stop_gradient((t_logits, aux))
         # position p (token p + 1 in, target state p) drafts token p + 2: the target's row p + 1
         t_logp = jax.nn.log_softmax(t_logits[1:, d2t], axis=-1)
-        passes = ttt_logits(params, target_params["embed"], aux[:-1], tokens[1:], ecfg=ecfg,
-                            depth=depth)
+        embed = params["embed"] if ecfg.own_embed else target_params["embed"]
+        passes = ttt_logits(params, embed, aux[:-1], tokens[1:], ecfg=ecfg, depth=depth)
         n = tokens.shape[0] - 1
         losses, agree = [], []
         for j, logits in enumerate(passes):

@@ -132,16 +132,25 @@ def _decode_drafts(engine, prompt):
     return out
 
 
-@pytest.mark.parametrize("which", ["trained", "published-random"])
+@pytest.mark.parametrize("which", ["trained", "published-random", "narrow"])
 def test_the_head_drafts_what_the_reference_formulas_give(repeating_target, trained_head,
                                                          tmp_path, which):
     """Through the engine (paged pools, catch-up, the first forward taking several tokens,
     the draft loop), each greedy draft equals the one-sequence oracle's from the target's
-    states: for the trained head and for a random one in the speculators layout with its own
-    embedding."""
+    states: for the trained head, for a random one in the speculators layout with its own
+    embedding, and for a random one half the target's width (``jspec train-eagle
+    --hidden-size``, the built-in head's shape)."""
     target = repeating_target
     if which == "trained":
         head = trained_head[1]
+    elif which == "narrow":
+        d2t = np.sort(np.random.default_rng(5).choice(ENGINE_VOCAB, 160, replace=False))
+        ecfg = head_config(target.cfg, 160, hidden_size=target.cfg.hidden_size // 2,
+                           intermediate_size=48)
+        assert ecfg.own_embed and ecfg.layer.num_kv_heads == 1
+        save_eagle(tmp_path, ecfg, init_head(ecfg, d2t, seed=5, std=0.1))
+        head = load_eagle_head(tmp_path, jnp.float32, "eagle3", target)
+        assert head.eagle.layer.hidden_size == target.cfg.hidden_size // 2
     else:
         write_tiny_eagle(tmp_path, target.cfg, seed=3, draft_vocab_size=160,
                          layout="speculators", own_embed=True)

@@ -230,22 +230,31 @@ def test_prefix_prompts_and_mix_windows():
         mix_windows(gen[:0], windows, 0.5)
 
 
-def test_distill_cli_on_self_generated_data(data, trained_target, tmp_path, capsys):
-    """`jspec distill --self-generated N --init DRAFT`: the target completes N training-split
-    prompts through the engine, the packed completions are cached beside the checkpoints (a
-    resumed run reuses them) and the draft, started from --init, is distilled on the mix."""
+def _exported_target_and_draft(data, trained_target, tmp_path, seed: int):
+    """(target config, target directory, draft config, directory of a random tiny draft):
+    the trained target and a draft of its vocabulary written as HF checkpoints."""
     import jax.numpy as jnp
 
-    from jspec.cli import main
-    from jspec.self_distill import generate_sequences
     from jspec.models.train import config_for, export_hf, init_params
 
     tok, _, _ = data
     t_cfg, _, _, t_params = trained_target
     target = export_hf(str(tmp_path / "target"), t_cfg, t_params, tok, dtype=jnp.float32)
     d_cfg = config_for("tiny", "draft", VOCAB)
-    init = export_hf(str(tmp_path / "init"), d_cfg, init_params(d_cfg, 2), tok,
-                     dtype=jnp.float32)
+    draft = export_hf(str(tmp_path / "draft-init"), d_cfg, init_params(d_cfg, seed), tok,
+                      dtype=jnp.float32)
+    return t_cfg, target, d_cfg, draft
+
+
+def test_distill_cli_on_self_generated_data(data, trained_target, tmp_path, capsys):
+    """`jspec distill --self-generated N --init DRAFT`: the target completes N training-split
+    prompts through the engine, the packed completions are cached beside the checkpoints (a
+    resumed run reuses them) and the draft, started from --init, is distilled on the mix."""
+    from jspec.cli import main
+    from jspec.self_distill import generate_sequences
+
+    tok, _, _ = data
+    _, target, _, init = _exported_target_and_draft(data, trained_target, tmp_path, 2)
 
     prompt = tok.encode("def f(x):\n    return", add_special_tokens=False)
     seq = generate_sequences(target, [prompt], 6, max_num_seqs=2, progress=False)[0]
@@ -296,3 +305,39 @@ def test_train_eagle_cli_writes_a_head_the_engine_loads(data, trained_target, tm
     assert ecfg.draft_vocab_size == 300 and params["lm_head"].shape == (t_cfg.hidden_size, 300)
     assert main([*argv, "--aux-layers", f"0,{t_cfg.num_layers}"]) == 2
     assert "outside the target's" in capsys.readouterr().err
+
+
+def test_train_eagle_cli_trains_a_narrower_head_from_a_drafts_embedding(data, trained_target,
+                                                                        tmp_path, capsys):
+    """`jspec train-eagle --hidden-size`: a head narrower than the target, with its own
+    embedding started from a draft model of its width (`--init-embedding`); a model of another
+    width is refused."""
+    import jax.numpy as jnp
+
+    from jspec.cli import main
+    from jspec.models.eagle_checkpoint import load_eagle
+    from jspec.models.loader import load_checkpoint
+
+    t_cfg, target, d_cfg, draft = _exported_target_and_draft(data, trained_target, tmp_path, 3)
+    _, d_params = load_checkpoint(draft, dtype=jnp.float32)
+    h = d_cfg.hidden_size
+    assert h < t_cfg.hidden_size
+    argv = ["train-eagle", "--target", target, "--out", str(tmp_path / "head"), "--steps", "1",
+            "--batch-size", "2", "--seq-len", str(SEQ), "--max-files", "3", "--eval-windows",
+            "0", "--draft-vocab-size", "300", "--depth", "2", "--no-progress", "--lr", "1e-4",
+            "--warmup-steps", "1", "--export-dtype", "float32", "--hidden-size", str(h),
+            "--intermediate-size", "48", "--init-embedding", draft]
+    assert main(argv) == 0
+    assert f"width {h}, own embedding" in capsys.readouterr().out
+    ecfg, params = load_eagle(tmp_path / "head", t_cfg, dtype=jnp.float32)
+    assert ecfg.own_embed and ecfg.layer.hidden_size == h
+    assert ecfg.layer.intermediate_size == 48
+    # one small step from the draft's embedding and output layer, not from random weights
+    embed = np.asarray(d_params["embed"], np.float32)
+    np.testing.assert_allclose(np.asarray(params["embed"]), embed, atol=2e-3)
+    d2t = np.asarray(params["d2t"])
+    np.testing.assert_allclose(np.asarray(params["lm_head"]),
+                               np.asarray(d_params["lm_head"], np.float32)[:, d2t], atol=2e-3)
+    wrong = [a if a != draft else target for a in argv]
+    assert main(wrong) == 2
+    assert "embedding of shape" in capsys.readouterr().err
