@@ -285,10 +285,8 @@ def _train_eagle(args, ckpt_dir: str) -> int:
                        intermediate_size=args.intermediate_size)
     init_from = None
     if args.init_embedding:
-        i_cfg, init_from = load_checkpoint(args.init_embedding, dtype=jnp.float32)
-        if i_cfg.vocab_size != t_cfg.vocab_size:
-            raise ValueError(f"--init-embedding {args.init_embedding!r} has a vocabulary of "
-                             f"{i_cfg.vocab_size} tokens, the target {t_cfg.vocab_size}")
+        # init_head checks its embedding against the target's vocabulary at the head's width
+        _, init_from = load_checkpoint(args.init_embedding, dtype=jnp.float32)
     params = init_head(ecfg, d2t, seed=args.seed, init_from=init_from)
     n = sum(a.size for a in jax.tree_util.tree_leaves(params)) - params["d2t"].size
     covered = np.isin(windows, d2t).mean()

@@ -31,7 +31,8 @@ import optax
 from jspec.models.config import ModelConfig
 from jspec.models.corpus import get_batch
 from jspec.models.eagle import _layer, fuse_hidden
-from jspec.models.eagle_checkpoint import EagleConfig, default_aux_layers, layer_config_for
+from jspec.models.eagle_checkpoint import (EagleConfig, _positive_int, default_aux_layers,
+                                          layer_config_for)
 from jspec.models.transformer import dense_forward, rms_norm, rope_tables
 
 
@@ -55,8 +56,7 @@ def head_config(target: ModelConfig, draft_vocab_size: int,
     inter = layer.intermediate_size if intermediate_size is None else intermediate_size
     for name, value in (("hidden_size", h), ("num_heads", heads), ("num_kv_heads", kv_heads),
                         ("intermediate_size", inter)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"the head's {name} must be a positive integer, got {value!r}")
+        _positive_int(value, f"the head's {name}")
     if heads % kv_heads:
         raise ValueError(f"the head's num_heads {heads} must be a multiple of its num_kv_heads "
                          f"{kv_heads}")
@@ -103,8 +103,6 @@ def init_head(ecfg: EagleConfig, d2t: np.ndarray, seed: int = 0, std: float = 0.
         "lm_head": w(h, ecfg.draft_vocab_size),
         "d2t": jnp.asarray(d2t, jnp.int32),
     }
-    if ecfg.own_embed:
-        params["embed"] = w(cfg.vocab_size, h)
     if init_from is not None:
         if not ecfg.own_embed:
             raise ValueError("a head of the target's width shares the target's embedding; "
@@ -118,6 +116,8 @@ def init_head(ecfg: EagleConfig, d2t: np.ndarray, seed: int = 0, std: float = 0.
         params["final_norm"] = jnp.asarray(init_from["final_norm"], jnp.float32)
         params["lm_head"] = jnp.asarray(np.asarray(init_from["lm_head"])[:, np.asarray(d2t)],
                                         jnp.float32)
+    elif ecfg.own_embed:
+        params["embed"] = w(cfg.vocab_size, h)
     return params
 
 
