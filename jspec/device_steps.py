@@ -57,13 +57,15 @@ class StepOptions:
                        batch_invariant=self.batch_invariant, aux_layers=self.aux_layers)
 
     def eagle_forward(self, params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInput,
-                      attention_fn=None):
+                      logits: bool = True):
         """The EAGLE head (``models/eagle.py``) over ``batch`` with hidden states ``hidden``
-        [T, H]: (logits over the target's vocabulary, pre-norm hidden at the logits rows, kv)."""
+        [T, H]: (logits over the target's vocabulary, pre-norm hidden at the logits rows, kv);
+        ``logits`` False: the K/V alone, (None, None, kv)."""
         return eagle.eagle_forward(params, kv, hidden, batch, cfg=self.cfg,
-                                   attention_fn=attention_fn or self.attention_fn,
+                                   attention_fn=self.attention_fn,
                                    target_vocab=self.cfg.vocab_size,
-                                   norm_before_residual=self.eagle.norm_before_residual)
+                                   norm_before_residual=self.eagle.norm_before_residual,
+                                   logits=logits)
 
 
 @array_dataclass
@@ -151,10 +153,7 @@ def eagle_draft_loop(params: dict, kv: KVCache, target_h: jax.Array, inputs: Dra
     x_1. Iteration k feeds x_k at ``next_positions + k - 1`` beside the head's own pre-norm
     hidden state of the position before."""
     hidden = eagle.fuse_hidden(params, eagle.gather_hidden(target_h, inputs.first))
-    width = inputs.first.input_ids.shape[0] // inputs.gammas.shape[0]
-    logits0, carry, kv = opts.eagle_forward(
-        params, kv, hidden, inputs.first,
-        attention_fn=functools.partial(opts.attention_fn, max_q_len=width))
+    logits0, carry, kv = opts.eagle_forward(params, kv, hidden, inputs.first)
 
     def feed(md, tok, rows, carry, kv):
         return opts.eagle_forward(params, kv, carry, ModelInput(tok, md, rows))
@@ -167,7 +166,7 @@ def eagle_catch_up(params: dict, kv: KVCache, target_h: jax.Array, batch: ModelI
     """Feed an EAGLE head tokens it missed (token t at position t - 1, with the target's hidden
     state there) without drafting."""
     hidden = eagle.fuse_hidden(params, eagle.gather_hidden(target_h, batch))
-    return opts.eagle_forward(params, kv, hidden, batch)[2]
+    return opts.eagle_forward(params, kv, hidden, batch, logits=False)[2]
 
 
 def _draft_tokens(feed, logits0, carry0, kv, inputs: DraftInputs, st: SamplingTensors,

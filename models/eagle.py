@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models.config import ModelConfig
-from jspec.models.transformer import KVCache, ModelInput, apply_rope, dense_attention, \
-    rms_norm, rope_tables, token_slots
+from jspec.models.transformer import AttentionMetadata, KVCache, ModelInput, apply_rope, \
+    dense_attention, rms_norm, rope_tables, token_slots
 from jspec.kernels import segments
 from jspec.kernels.precision import dot_precision
 
@@ -41,26 +41,47 @@ def fuse_hidden(params: dict, hidden: jax.Array) -> jax.Array:
     return _dot(hidden.astype(params["fc"].dtype), params["fc"]).astype(params["fc"].dtype)
 
 
-def _layer(params: dict, emb: jax.Array, hidden: jax.Array, cos, sin, attend, *,
-           cfg: ModelConfig, norm_before_residual: bool) -> jax.Array:
-    """The head's decoder layer over flat tokens: embeddings [T, H] and hidden states [T, H] ->
-    the pre-norm output [T, H] (the hidden state the next drafted position takes)."""
+def _attention_inputs(params: dict, emb: jax.Array, hidden: jax.Array, *, cfg: ModelConfig,
+                      norm_before_residual: bool) -> tuple[jax.Array, jax.Array]:
+    """The head's layer up to its q/k/v projections, over flat tokens: embeddings [T, H] and
+    hidden states [T, H] -> (qkv [T, q + 2·kv], the residual stream [T, H])."""
     lp = params["layer"]
-    num_tokens, dtype = emb.shape[0], emb.dtype
     normed = rms_norm(hidden, lp["hidden_norm"], cfg.rms_norm_eps)
     residual = normed if norm_before_residual else hidden
     x = jnp.concatenate([rms_norm(emb, lp["attn_norm"], cfg.rms_norm_eps), normed], axis=-1)
-    qkv = _dot(x, lp["wqkv"]).astype(dtype)
-    q_size, kv_size = cfg.q_size, cfg.kv_size
+    return _dot(x, lp["wqkv"]).astype(emb.dtype), residual
+
+
+def _split_heads(qkv: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    num_tokens, q_size, kv_size = qkv.shape[0], cfg.q_size, cfg.kv_size
     q = qkv[:, :q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
     k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-    residual = residual + _dot(attn.reshape(num_tokens, q_size), lp["wo"]).astype(dtype)
+    return q, k, v
+
+
+def _after_attention(params: dict, attn: jax.Array, residual: jax.Array, cfg: ModelConfig
+                     ) -> jax.Array:
+    """The rest of the layer: attention output [T, heads, head_dim] and residual [T, H] -> the
+    pre-norm output [T, H] (the hidden state the next drafted position takes)."""
+    lp, dtype = params["layer"], residual.dtype
+    attn = attn.reshape(attn.shape[0], cfg.q_size)
+    residual = residual + _dot(attn, lp["wo"]).astype(dtype)
     h = rms_norm(residual, lp["mlp_norm"], cfg.rms_norm_eps)
     gate, up = jnp.split(_dot(h, lp["w_gate_up"]), 2, axis=-1)
     down = _dot((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"])
     return residual + down.astype(dtype)
+
+
+def _layer(params: dict, emb: jax.Array, hidden: jax.Array, cos, sin, attend, *,
+           cfg: ModelConfig, norm_before_residual: bool) -> jax.Array:
+    """The head's decoder layer over flat tokens: embeddings [T, H] and hidden states [T, H] ->
+    the pre-norm output [T, H]; ``attend(q, k, v)`` over the rotated projections."""
+    qkv, residual = _attention_inputs(params, emb, hidden, cfg=cfg,
+                                      norm_before_residual=norm_before_residual)
+    q, k, v = _split_heads(qkv, cfg)
+    attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    return _after_attention(params, attn, residual, cfg)
 
 
 def draft_logits(params: dict, prenorm: jax.Array, cfg: ModelConfig,
@@ -90,30 +111,40 @@ def gather_hidden(h_pool: jax.Array, batch: ModelInput) -> jax.Array:
 
 def eagle_forward(params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInput, *,
                   cfg: ModelConfig, attention_fn, target_vocab: int,
-                  norm_before_residual: bool = False):
+                  norm_before_residual: bool = False, logits: bool = True):
     """The head over a ragged flat batch (``transformer.forward``'s conventions: new K/V
     written through the page table, then attention over the pool; padding tokens write to the
     null block). ``hidden`` [T, H]: each token's hidden state (fused target states, or the
     head's own). Returns (logits [R, target vocabulary] float32, pre-norm hidden [R, H] at the
-    logits rows, kv)."""
+    logits rows, kv); with ``logits`` False only the K/V are written (a catch-up) and the first
+    two are None.
+
+    Logits row i must be the last new token of sequence i (every caller's layout). Only those
+    rows go on past the K/V: with one layer, no other token's attention output or MLP is read
+    by anything, so a first draft forward that takes a row's accepted tokens again pays for
+    their projections alone."""
     md = batch.attn
     num_tokens = batch.input_ids.shape[0]
     emb = params["embed"][batch.input_ids].astype(params["fc"].dtype)
+    qkv, residual = _attention_inputs(params, emb, hidden.astype(emb.dtype), cfg=cfg,
+                                      norm_before_residual=norm_before_residual)
+    q, k, v = _split_heads(qkv, cfg)
     cos, sin = rope_tables(md.positions, cfg)
     blocks, offsets = token_slots(md, num_tokens, kv.block_size)
-    pools = [kv.k, kv.v]
-
-    def attend(q, k, v):
-        pools[0] = segments.write_slots(pools[0], 0, blocks, offsets, k)
-        pools[1] = segments.write_slots(pools[1], 0, blocks, offsets, v)
-        return attention_fn(q, pools[0], pools[1], 0, md, sm_scale=cfg.head_dim ** -0.5,
-                            sliding_window=None)
-
-    prenorm = _layer(params, emb, hidden.astype(emb.dtype), cos, sin, attend, cfg=cfg,
-                     norm_before_residual=norm_before_residual)
-    rows = prenorm[batch.logits_indices]
-    return (draft_logits(params, rows, cfg, target_vocab), rows,
-            KVCache(pools[0], pools[1], kv.h))
+    k_pool = segments.write_slots(kv.k, 0, blocks, offsets, apply_rope(k, cos, sin))
+    v_pool = segments.write_slots(kv.v, 0, blocks, offsets, v)
+    new_kv = KVCache(k_pool, v_pool, kv.h)
+    if not logits:
+        return None, None, new_kv
+    rows = batch.logits_indices
+    num_rows = rows.shape[0]
+    # each logits row attends as a one-token query of its sequence
+    row_md = AttentionMetadata(md.positions[rows], jnp.arange(num_rows + 1, dtype=jnp.int32),
+                               md.kv_lens, md.page_table)
+    attn = attention_fn(apply_rope(q[rows], cos[rows], sin[rows]), k_pool, v_pool, 0, row_md,
+                        sm_scale=cfg.head_dim ** -0.5, sliding_window=None, max_q_len=1)
+    prenorm = _after_attention(params, attn, residual[rows], cfg)
+    return draft_logits(params, prenorm, cfg, target_vocab), prenorm, new_kv
 
 
 def eagle_dense(params: dict, tokens: jax.Array, target_hidden: jax.Array, *,
