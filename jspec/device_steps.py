@@ -59,11 +59,10 @@ class StepOptions:
     def eagle_forward(self, params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInput,
                       logits: bool = True):
         """The EAGLE head (``models/eagle.py``) over ``batch`` with hidden states ``hidden``
-        [T, H]: (logits over the target's vocabulary, pre-norm hidden at the logits rows, kv);
+        [T, H]: (logits over the draft vocabulary, pre-norm hidden at the logits rows, kv);
         ``logits`` False: the K/V alone, (None, None, kv)."""
         return eagle.eagle_forward(params, kv, hidden, batch, cfg=self.cfg,
                                    attention_fn=self.attention_fn,
-                                   target_vocab=self.cfg.vocab_size,
                                    norm_before_residual=self.eagle.norm_before_residual,
                                    logits=logits)
 
@@ -151,14 +150,21 @@ def eagle_draft_loop(params: dict, kv: KVCache, target_h: jax.Array, inputs: Dra
     row's tokens the head has not taken yet, token t at position t - 1 beside the target's
     hidden state there (read from ``target_h``, fused by ``fc``): the last one's logits give
     x_1. Iteration k feeds x_k at ``next_positions + k - 1`` beside the head's own pre-norm
-    hidden state of the position before."""
+    hidden state of the position before.
+
+    The loop samples over the draft vocabulary: the same distribution as over the target's
+    with q = 0 outside it, at the draft vocabulary's cost (the built-in head's is half the
+    target's). The drafted ids and the returned q are in the target's vocabulary."""
     hidden = eagle.fuse_hidden(params, eagle.gather_hidden(target_h, inputs.first))
     logits0, carry, kv = opts.eagle_forward(params, kv, hidden, inputs.first)
 
     def feed(md, tok, rows, carry, kv):
         return opts.eagle_forward(params, kv, carry, ModelInput(tok, md, rows))
 
-    return _draft_tokens(feed, logits0, carry, kv, inputs, st, opts)
+    result, carry, kv = _draft_tokens(feed, logits0, carry, kv, inputs, st, opts,
+                                      token_ids=functools.partial(eagle.to_target_ids, params))
+    logits = eagle.to_target_vocab(params, result.logits, opts.cfg.vocab_size)
+    return dataclasses.replace(result, logits=logits), carry, kv
 
 
 def eagle_catch_up(params: dict, kv: KVCache, target_h: jax.Array, batch: ModelInput, *,
@@ -170,7 +176,7 @@ def eagle_catch_up(params: dict, kv: KVCache, target_h: jax.Array, batch: ModelI
 
 
 def _draft_tokens(feed, logits0, carry0, kv, inputs: DraftInputs, st: SamplingTensors,
-                  opts: StepOptions):
+                  opts: StepOptions, token_ids=None):
     """The draft loop shared by every model drafter: from ``logits0`` (x_1's distribution) and
     a per-row ``carry0`` (what the model carries from one drafted position to the next: an EAGLE
     head's hidden state; nothing for a draft model), sample x_k and, while some row drafts on,
@@ -184,7 +190,11 @@ def _draft_tokens(feed, logits0, carry0, kv, inputs: DraftInputs, st: SamplingTe
     ``opts.with_stats``: compute confidence and entropy (two full-vocabulary reductions per
     drafted token) and apply the stop rules. Only policies that stop drafts early or ``select``
     read them; for the others the loop drafts exactly γ_i tokens and returns zeros there.
-    Returns (DraftResult, the last carry, kv)."""
+
+    ``token_ids``: the model's logits cover a vocabulary of its own, and ``token_ids(ids)``
+    gives the target ids of its ids (an EAGLE head's ``d2t``); the result's tokens are target
+    ids, its logits stay in the model's vocabulary. Returns (DraftResult, the last carry,
+    kv)."""
     num_steps, with_stats = opts.num_steps, opts.with_stats
     next_positions, page_table, gammas = inputs.next_positions, inputs.page_table, inputs.gammas
     stop_confidence, stop_entropy = inputs.stop_confidence, inputs.stop_entropy
@@ -192,18 +202,19 @@ def _draft_tokens(feed, logits0, carry0, kv, inputs: DraftInputs, st: SamplingTe
     vocab = logits0.shape[-1]
     uniforms = row_uniforms(st, _DRAFT_STREAM, num_steps)
 
+    to_target = token_ids or (lambda ids: ids)
+
     def draft_one(logits, k, active, cum_conf):
         tokens = sample_draft_tokens(logits, st, jax.lax.dynamic_index_in_dim(uniforms, k, 1,
                                                                                keepdims=False))
         if not with_stats:
             zero = jnp.zeros((num_rows,), jnp.float32)
-            return tokens, zero, zero, active & (k < gammas)
+            return to_target(tokens), zero, zero, active & (k < gammas)
         logq = jax.nn.log_softmax(logits, axis=-1)
-        # entr(0) = 0: an EAGLE head's tokens outside its vocabulary have q = 0 (log q = -inf)
         entropy = jax.scipy.special.entr(jnp.exp(logq)).sum(-1)
         conf = jnp.exp(jnp.take_along_axis(logq, tokens[:, None], axis=-1)[:, 0])
         active = active & (k < gammas) & (cum_conf >= stop_confidence) & (entropy <= stop_entropy)
-        return tokens, conf, entropy, active
+        return to_target(tokens), conf, entropy, active
 
     # One sampling site: each iteration samples token k from the logits it carries, then (only
     # while some row may draft token k + 1) feeds token k to the draft for the next logits. The

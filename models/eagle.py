@@ -84,13 +84,21 @@ def _layer(params: dict, emb: jax.Array, hidden: jax.Array, cos, sin, attend, *,
     return _after_attention(params, attn, residual, cfg)
 
 
-def draft_logits(params: dict, prenorm: jax.Array, cfg: ModelConfig,
-                 target_vocab: int) -> jax.Array:
-    """Final norm, the draft-vocabulary head and ``d2t`` (absent: the target's vocabulary in
-    order): logits [R, target vocabulary] (float32), -inf where the draft vocabulary has no
-    token."""
+def head_logits(params: dict, prenorm: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and the head's output projection: logits [R, draft vocabulary] (float32).
+    Draft id d is target token ``to_target_ids(params, d)``."""
     h = rms_norm(prenorm, params["final_norm"], cfg.rms_norm_eps)
-    logits = _dot(h, params["lm_head"])
+    return _dot(h, params["lm_head"])
+
+
+def to_target_ids(params: dict, draft_ids: jax.Array) -> jax.Array:
+    """Target token ids of draft ids (``d2t``; absent: the same ids)."""
+    return draft_ids if "d2t" not in params else params["d2t"][draft_ids]
+
+
+def to_target_vocab(params: dict, logits: jax.Array, target_vocab: int) -> jax.Array:
+    """Logits [..., draft vocabulary] placed in the target's vocabulary [..., target_vocab],
+    -inf where the draft vocabulary has no token (q = 0 there)."""
     if "d2t" not in params:  # the full vocabulary, in order
         return logits
     # a gather through the inverse map, not a scatter of the logits: XLA:CPU fused the
@@ -98,7 +106,14 @@ def draft_logits(params: dict, prenorm: jax.Array, cfg: ModelConfig,
     d2t = params["d2t"]
     inverse = jnp.full((target_vocab,), -1, jnp.int32).at[d2t].set(
         jnp.arange(d2t.shape[0], dtype=jnp.int32))
-    return jnp.where(inverse >= 0, logits[:, jnp.maximum(inverse, 0)], -jnp.inf)
+    return jnp.where(inverse >= 0, logits[..., jnp.maximum(inverse, 0)], -jnp.inf)
+
+
+def draft_logits(params: dict, prenorm: jax.Array, cfg: ModelConfig,
+                 target_vocab: int) -> jax.Array:
+    """Final norm, the draft-vocabulary head and ``d2t``: logits [R, target vocabulary]
+    (float32), -inf where the draft vocabulary has no token."""
+    return to_target_vocab(params, head_logits(params, prenorm, cfg), target_vocab)
 
 
 def gather_hidden(h_pool: jax.Array, batch: ModelInput) -> jax.Array:
@@ -110,13 +125,13 @@ def gather_hidden(h_pool: jax.Array, batch: ModelInput) -> jax.Array:
 
 
 def eagle_forward(params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInput, *,
-                  cfg: ModelConfig, attention_fn, target_vocab: int,
-                  norm_before_residual: bool = False, logits: bool = True):
+                  cfg: ModelConfig, attention_fn, norm_before_residual: bool = False,
+                  logits: bool = True):
     """The head over a ragged flat batch (``transformer.forward``'s conventions: new K/V
     written through the page table, then attention over the pool; padding tokens write to the
     null block). ``hidden`` [T, H]: each token's hidden state (fused target states, or the
-    head's own). Returns (logits [R, target vocabulary] float32, pre-norm hidden [R, H] at the
-    logits rows, kv); with ``logits`` False only the K/V are written (a catch-up) and the first
+    head's own). Returns (logits [R, draft vocabulary] float32: ``head_logits``, pre-norm hidden
+    [R, H] at the logits rows, kv); with ``logits`` False only the K/V are written (a catch-up) and the first
     two are None.
 
     Logits row i must be the last new token of sequence i (every caller's layout). Only those
@@ -144,7 +159,7 @@ def eagle_forward(params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInpu
     attn = attention_fn(apply_rope(q[rows], cos[rows], sin[rows]), k_pool, v_pool, 0, row_md,
                         sm_scale=cfg.head_dim ** -0.5, sliding_window=None, max_q_len=1)
     prenorm = _after_attention(params, attn, residual[rows], cfg)
-    return draft_logits(params, prenorm, cfg, target_vocab), prenorm, new_kv
+    return head_logits(params, prenorm, cfg), prenorm, new_kv
 
 
 def eagle_dense(params: dict, tokens: jax.Array, target_hidden: jax.Array, *,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import make_engine, run_to_completion
-from jspec.sampler import (SIGNALS, SamplingTensors, processed_logprobs, rejection_sample,
-                           row_uniforms, sample_tokens, verify_signals)
+from jspec.sampler import (SIGNALS, SamplingTensors, greedy_tokens, processed_logprobs,
+                           rejection_sample, row_uniforms, sample_tokens, verify_signals)
 from jspec.sampling_params import SamplingParams
 from jspec.models.transformer import dense_forward
 
@@ -120,6 +120,21 @@ def test_sample_tokens_draws_what_rejection_sampling_without_drafts_draws():
     greedy = np.asarray(st.temperature) == 0
     np.testing.assert_array_equal(np.asarray(plain.tokens)[greedy, 0],
                                   np.asarray(logits).argmax(-1)[greedy])
+
+
+def test_greedy_tokens_are_numpys_argmax_first_of_ties_and_in_range():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(6, 3, 50)).astype(np.float32)
+    logits[0, 0, [7, 30]] = 9.0  # a tie: the first index
+    logits[1, 1, :] = -np.inf  # nothing finite: id 0, as argmax gives
+    logits[2, 2, 10:] = -np.inf
+    ids = np.asarray(greedy_tokens(jnp.asarray(logits)))
+    assert ids.dtype == np.int32
+    np.testing.assert_array_equal(ids, logits.argmax(-1))
+    assert ids[0, 0] == 7 and ids[1, 1] == 0
+    logits[3, 0, 4] = np.nan
+    ids = np.asarray(greedy_tokens(jnp.asarray(logits)))
+    assert 0 <= ids[3, 0] < 50
 
 
 def test_rejection_sampler_greedy_rows_follow_argmax():
