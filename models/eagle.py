@@ -131,8 +131,8 @@ def eagle_forward(params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInpu
     written through the page table, then attention over the pool; padding tokens write to the
     null block). ``hidden`` [T, H]: each token's hidden state (fused target states, or the
     head's own). Returns (logits [R, draft vocabulary] float32: ``head_logits``, pre-norm hidden
-    [R, H] at the logits rows, kv); with ``logits`` False only the K/V are written (a catch-up) and the first
-    two are None.
+    [R, H] at the logits rows, kv); with ``logits`` False only the K/V are written (a catch-up)
+    and the first two are None.
 
     Logits row i must be the last new token of sequence i (every caller's layout). Only those
     rows go on past the K/V: with one layer, no other token's attention output or MLP is read
