@@ -36,9 +36,32 @@ def _dot(x, w):
     return jnp.dot(x, w, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
 
 
+def activation_dtype(params: dict):
+    """The dtype the head computes in: its norms' (its dot weights may be ``widened``)."""
+    return params["final_norm"].dtype
+
+
+# the weights the head multiplies by (the embedding is gathered, d2t is an index map)
+_DOT_WEIGHTS = ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+
+
+def widened(params: dict) -> dict:
+    """``params`` with the dot weights in float32. XLA:CPU multiplies one row by a bf16 weight
+    by widening the weight to float32 first, at every use (``runner.widens_one_row_dots``): a
+    one-row draft loop that widens them once per call, before its iterations, computes the
+    same one-row products without widening the weights again in every iteration. (The first
+    forward's several-token products, which XLA would run on the bf16 weights, then round as
+    float32 ones: q is still exactly what the head computed, so verification stays lossless.)"""
+    def widen(path, a):
+        return a.astype(jnp.float32) if getattr(path[-1], "key", None) in _DOT_WEIGHTS else a
+
+    return jax.tree_util.tree_map_with_path(widen, params)
+
+
 def fuse_hidden(params: dict, hidden: jax.Array) -> jax.Array:
     """The target's captured hidden states [T, 3·Ht] fused to the head's width [T, H]."""
-    return _dot(hidden.astype(params["fc"].dtype), params["fc"]).astype(params["fc"].dtype)
+    dtype = activation_dtype(params)
+    return _dot(hidden.astype(dtype), params["fc"]).astype(dtype)
 
 
 def _attention_inputs(params: dict, emb: jax.Array, hidden: jax.Array, *, cfg: ModelConfig,
@@ -140,7 +163,7 @@ def eagle_forward(params: dict, kv: KVCache, hidden: jax.Array, batch: ModelInpu
     their projections alone."""
     md = batch.attn
     num_tokens = batch.input_ids.shape[0]
-    emb = params["embed"][batch.input_ids].astype(params["fc"].dtype)
+    emb = params["embed"][batch.input_ids].astype(activation_dtype(params))
     qkv, residual = _attention_inputs(params, emb, hidden.astype(emb.dtype), cfg=cfg,
                                       norm_before_residual=norm_before_residual)
     q, k, v = _split_heads(qkv, cfg)
@@ -176,7 +199,7 @@ def eagle_dense(params: dict, tokens: jax.Array, target_hidden: jax.Array, *,
     drafted = []
     for _ in range(num_draft + 1):
         n = inputs.shape[0]
-        emb = params["embed"][inputs].astype(params["fc"].dtype)
+        emb = params["embed"][inputs].astype(activation_dtype(params))
         cos, sin = rope_tables(jnp.arange(n), cfg)
         prenorm = _layer(params, emb, hidden, cos, sin,
                          lambda q, k, v: dense_attention(q, k, v, cfg), cfg=cfg,

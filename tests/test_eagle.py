@@ -6,6 +6,7 @@ distribution, and what is refused."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from test_ngram import (CYCLE, GREEDY, _prompts,  # noqa: F401
                         assert_first_two_tokens_follow_the_target, repeating_reference,
                         repeating_target)
 from test_mixed_drafters import RowDrafters
+from jspec.device_steps import StepOptions, eagle_draft_loop
 from jspec.llm import load_eagle_head
 from jspec.models.eagle import eagle_dense
 from jspec.models.eagle_checkpoint import save_eagle, write_tiny_eagle
@@ -26,6 +28,7 @@ from jspec.models.eagle_train import (draft_vocabulary, head_config, held_out_ag
 from jspec.models.transformer import KVCache, ModelInput, dense_forward, forward
 from jspec.kernels.ragged_paged_attention import AttentionMetadata
 from jspec.policies import make_policy
+from jspec.runner import widens_one_row_dots
 
 
 def _cycle_windows(n: int, length: int, seed: int) -> np.ndarray:
@@ -267,18 +270,52 @@ def test_prefix_cached_blocks_carry_the_targets_states_for_the_head(repeating_ta
     assert engine.metrics.drafter_stats["eagle3"]["num_accepted_tokens"] > 0
 
 
+def _bf16(m):
+    """``m`` with its float32 params in bf16."""
+    params = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, m.params)
+    return dataclasses.replace(m, params=params)
+
+
 def test_a_head_drafts_in_bfloat16(repeating_target, trained_head):
     """bf16 weights and KV (the CPU default): the head's draft-vocabulary logits placed in the
     target's vocabulary compile and run beside the bf16 dots (a scatter fused with them did
     not run on XLA:CPU)."""
-    def bf16(m):
-        params = jax.tree_util.tree_map(
-            lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, m.params)
-        return dataclasses.replace(m, params=params)
-
-    engine = make_engine(bf16(repeating_target), bf16(trained_head[1]),
+    engine = make_engine(_bf16(repeating_target), _bf16(trained_head[1]),
                          make_policy("static", 4, gamma=4), dtype="bfloat16",
                          speculative_method="eagle3")
     outs = run_to_completion(engine, _prompts()[:4], GREEDY)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs.values())
     assert engine.metrics.drafter_stats["eagle3"]["num_accepted_tokens"] > 0
+
+
+def test_a_one_row_draft_loop_in_bfloat16_drafts_the_same_with_widened_weights(
+        repeating_target, trained_head):
+    """One sequence in bf16: the head's draft loop that widens its dot weights to float32
+    before its iterations (what the runner compiles where XLA widens one-row bf16 dots) drafts
+    the same tokens, and q up to rounding (its first forward's several-token products are
+    float32 ones there), as the loop that leaves XLA to widen them."""
+    engine = make_engine(_bf16(repeating_target), _bf16(trained_head[1]),
+                         make_policy("static", 4, gamma=4), dtype="bfloat16",
+                         speculative_method="eagle3", async_scheduling=False)
+    engine.add_request("a", _prompts()[4], GREEDY)
+    for _ in range(6):
+        engine.step()
+    st, runner = engine.last_step, engine.runner
+    assert st.gamma and st.num_rows == 1
+    model = st.proposer.model
+    head = runner.pool[model]
+    assert widens_one_row_dots("float32") is False
+    drafts = []
+    for widen in (False, True):
+        opts = StepOptions(head.cfg, runner._attn, num_steps=st.gamma, eagle=head.eagle,
+                           widen=widen)
+        loop = jax.jit(functools.partial(eagle_draft_loop, opts=opts))
+        result, _, _ = loop(head.params, runner.pool_kv[model], runner.target_kv.h,
+                            st.draft_inputs, st.sampling)
+        drafts.append((np.asarray(result.tokens), np.asarray(result.logits)))
+    np.testing.assert_array_equal(drafts[0][0], drafts[1][0])
+    finite = np.isfinite(drafts[0][1])
+    assert finite.any()
+    np.testing.assert_array_equal(finite, np.isfinite(drafts[1][1]))
+    np.testing.assert_allclose(drafts[0][1][finite], drafts[1][1][finite], rtol=0.02, atol=0.05)
