@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -98,6 +99,8 @@ class BatchView:
         prompt tokens wait each drafted token takes one's place, which a later step must run:
         a plan should pay for it at the target's marginal cost per token."""
         free, waiting = self.lookahead_tokens, self.prefill_backlog_tokens
+        if free <= 0 or waiting <= 0:  # nothing to displace (most steps: planned every step)
+            return 0
         return min(free, waiting) - np.minimum(np.maximum(free - np.asarray(drafted), 0),
                                                waiting)
 
@@ -281,8 +284,26 @@ def expected_tokens(alpha: float, gammas) -> np.ndarray:
     token is accepted independently with probability α (the geometric acceptance model; γ = 0 is
     plain decoding, 1 token). The sum form needs no special case at α = 1."""
     gammas = np.asarray(gammas, np.int64)
-    powers = np.cumsum(float(alpha) ** np.arange(int(gammas.max(initial=0)) + 1))
+    powers = np.cumsum(float(alpha) ** gamma_range(int(gammas.max(initial=0)) + 1))
     return powers[gammas]
+
+
+@functools.lru_cache(maxsize=64)
+def gamma_range(n: int) -> np.ndarray:
+    """γ = 0..n-1, read-only: the candidates a plan weighs every step, made once per n."""
+    out = np.arange(n, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_of(buckets: tuple[int, ...], top: int) -> np.ndarray:
+    """For γ = 0..top, the compiled bucket γ runs in (itself past the largest), read-only."""
+    g = np.arange(top + 1, dtype=np.int64)
+    b = np.asarray(buckets, np.int64)
+    out = np.maximum(b[np.minimum(np.searchsorted(b, g), len(b) - 1)], g)
+    out.flags.writeable = False
+    return out
 
 
 def upper_bound(alpha: float, judged_tokens: float, z: float) -> float:
@@ -389,9 +410,7 @@ class Policy(abc.ABC):
         g = np.asarray(gammas, np.int64)
         if not self.gamma_buckets:
             return g
-        buckets = np.asarray(self.gamma_buckets, np.int64)
-        i = np.minimum(np.searchsorted(buckets, g), len(buckets) - 1)
-        return np.maximum(buckets[i], g)
+        return _bucket_of(self.gamma_buckets, int(g.max(initial=0)))[g]
 
     def set_pool(self, names: tuple[str, ...]) -> None:
         """The engine's draft pool (model names, smallest first), set before the first plan."""

@@ -59,7 +59,8 @@ from typing import Any
 import numpy as np
 
 from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, expected_tokens,
-                           judged_acceptance, option_bool, option_number, upper_bound)
+                           gamma_range, judged_acceptance, option_bool, option_number,
+                           upper_bound)
 from jspec.policies.measured_time import MeasuredTime
 from jspec.policies.profile import StepProfile, load_profile
 
@@ -105,7 +106,7 @@ class DSDPolicy(Policy):
 
     def goodputs(self, view: BatchView) -> np.ndarray:
         """Predicted goodput n·E(γ)/T(γ) for γ = 0..max_gamma."""
-        gammas = np.arange(self.max_gamma + 1)
+        gammas = gamma_range(self.max_gamma + 1)
         tokens = expected_tokens(self.planning_alpha, gammas)
         return view.num_decode * tokens / self.step_times(view, gammas)
 
@@ -126,15 +127,15 @@ class DSDPolicy(Policy):
         """The step's time with a target forward ``width`` tokens wide and ``forwards`` draft
         forwards (the run's linear model once fitted), else the profile's at
         ``profile_gammas``."""
+        target = self._time.target(width) if self.measured else None
+        per_forward = None if target is None else self._time.draft_forward()
+        if per_forward is not None:
+            return target + forwards * per_forward
         batch = max(view.batch_size, view.num_decode, 1)
         ctx = float(np.mean(view.context_lens)) if view.num_decode else 1.0
-        target = self._time.target(width) if self.measured else None
         if target is None:
             return self.step_profile.step_times(batch, profile_gammas, ctx)
-        per_forward = self._time.draft_forward()
-        if per_forward is None:
-            per_forward = self.step_profile.draft_step(batch, ctx)
-        return target + forwards * per_forward
+        return target + forwards * self.step_profile.draft_step(batch, ctx)
 
     @property
     def can_predict(self) -> bool:
@@ -162,26 +163,28 @@ class DSDPolicy(Policy):
         gamma = int(np.argmax(self.goodputs(view)))  # first maximum: ties to the smaller γ
         return DraftPlan(gammas=np.full(n, gamma, np.int32))
 
-    def step_rate(self, outcome: StepOutcome) -> float | None:
-        """This step's per-token acceptance rate (module docstring), None if nothing verified."""
+    def step_rate(self, outcome: StepOutcome, judged: tuple[int, int] | None = None
+                  ) -> float | None:
+        """This step's per-token acceptance rate (module docstring), None if nothing verified;
+        ``judged``: the step's ``judged_acceptance``, when the caller has it."""
         if self.rate == "verified":
             verified = int(np.asarray(outcome.num_verified, np.int64).sum())
             accepted = int(np.minimum(outcome.num_accepted, outcome.num_verified).sum())
             return accepted / verified if verified else None
-        accepted, judged = judged_acceptance(outcome)
+        accepted, judged = judged_acceptance(outcome) if judged is None else judged
         return accepted / judged if judged else None
 
     def observe(self, outcome: StepOutcome) -> None:
         self._time.observe(outcome)
-        r = self.step_rate(outcome)
+        judged = judged_acceptance(outcome)
+        r = self.step_rate(outcome, judged)
         if r is None:
             if outcome.num_decode:  # decoding went on unobserved: the evidence ages
                 self.judged_tokens *= 1.0 - self.idle_decay
             return
         self.alpha = (1.0 - self.ema) * self.alpha + self.ema * r
         self.num_updates += 1
-        self.judged_tokens = ((1.0 - self.ema) * self.judged_tokens
-                              + judged_acceptance(outcome)[1])
+        self.judged_tokens = (1.0 - self.ema) * self.judged_tokens + judged[1]
 
     def state_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "num_updates": self.num_updates,

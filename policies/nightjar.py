@@ -187,8 +187,8 @@ from typing import Any
 import numpy as np
 
 from jspec.policies.base import (BatchView, DraftPlan, Policy, StepOutcome, batch_bucket,
-                           expected_tokens, judged_acceptance, option_bool, option_int,
-                           option_number)
+                           expected_tokens, gamma_range, judged_acceptance, option_bool,
+                           option_int, option_number)
 from jspec.policies.measured_time import MeasuredTime
 from jspec.policies.prefill_cost import PrefillCost
 from jspec.policies.profile import StepProfile, load_profile
@@ -505,7 +505,7 @@ class NightjarPolicy(Policy):
         if not self.prior or self.profile is None or view.num_decode == 0:
             return None
         n = view.num_decode
-        gammas = np.arange(self.max_gamma + 1)
+        gammas = gamma_range(self.max_gamma + 1)
         times = self.profile.step_times(max(view.batch_size, n), gammas,
                                         float(np.mean(view.context_lens)))
         return n * expected_tokens(self.alpha, gammas) / times
@@ -518,7 +518,7 @@ class NightjarPolicy(Policy):
         if not self._time.ready or view.num_decode == 0:
             return None
         n = view.num_decode
-        gammas = np.arange(self.max_gamma + 1)
+        gammas = gamma_range(self.max_gamma + 1)
         times = (self._time.target(n * (self.padded_gamma(gammas) + 1))
                  + gammas * self._time.draft_forward())
         return n * expected_tokens(self.alpha, gammas) / np.maximum(times, 1e-9)
@@ -619,7 +619,8 @@ class NightjarPolicy(Policy):
         with the control measured beside it. The leading arm's own rewards are kept as they
         are (correcting an arm by its own residual would anchor it to its current g̃); they
         update e and, pair by pair, the autocorrelation ρ."""
-        lead = int(np.argmax(ctx.samples))
+        samples = ctx.samples
+        lead = max(range(len(samples)), key=samples.__getitem__)  # the first most sampled
         if arm == lead and ctx.samples[arm] >= 2 and ctx.goodput[arm] > 0 and reward > 0:
             residual = math.log(reward / ctx.goodput[arm])
             if ctx.lead_residual is not None and ctx.lead_age == 1:

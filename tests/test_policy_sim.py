@@ -192,6 +192,8 @@ def test_a_gamma_in_a_larger_bucket_is_priced_as_wide_as_the_bucket():
     run_policy(env, policy, 0, 20.0)
     assert policy.gamma_buckets == (0, 1, 2, 4)
     assert list(policy.padded_gamma(np.arange(5))) == [0, 1, 2, 4, 4]
+    assert policy.padded_gamma(np.array([3, 0, 6])).tolist() == [4, 0, 6]  # past: itself
+    assert int(policy.padded_gamma(3)) == 4
     view = make_view(32)
     times = policy.step_times(view, np.arange(5))
     forward = policy._time.draft_forward()
