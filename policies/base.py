@@ -99,7 +99,7 @@ class BatchView:
         prompt tokens wait each drafted token takes one's place, which a later step must run:
         a plan should pay for it at the target's marginal cost per token."""
         free, waiting = self.lookahead_tokens, self.prefill_backlog_tokens
-        if free <= 0 or waiting <= 0:  # nothing to displace (most steps: planned every step)
+        if free <= 0 or waiting <= 0:  # no prompt waits (most steps): nothing to displace
             return 0
         return min(free, waiting) - np.minimum(np.maximum(free - np.asarray(drafted), 0),
                                                waiting)
@@ -299,7 +299,7 @@ def gamma_range(n: int) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _bucket_of(buckets: tuple[int, ...], top: int) -> np.ndarray:
     """For γ = 0..top, the compiled bucket γ runs in (itself past the largest), read-only."""
-    g = np.arange(top + 1, dtype=np.int64)
+    g = gamma_range(top + 1)
     b = np.asarray(buckets, np.int64)
     out = np.maximum(b[np.minimum(np.searchsorted(b, g), len(b) - 1)], g)
     out.flags.writeable = False
