@@ -21,8 +21,8 @@ The grid is the batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (the engine's ow
 sit at the same powers of two), every γ from 0 to Γmax, one context (128 tokens, less when the
 model is short) and catch-up lengths 2 and 8. On the 2-vCPU development machine the built-in
 pair takes 12-15 s at max_num_seqs 32, Γmax 5 (docs/benchmarks.md). The cache key is every
-input that changes a step's cost: both models' shapes, backend and device kind, the KV dtype,
-and the engine's batch shape options. ``JSPEC_PROFILE_CACHE=off`` measures afresh every time
+input that changes a step's cost: both models' shapes, backend and device kind, the host's CPU
+model and usable cores, the KV dtype, and the engine's batch shape options. ``JSPEC_PROFILE_CACHE=off`` measures afresh every time
 without reading or writing the cache.
 """
 
@@ -64,6 +64,36 @@ class ForcedGamma(StaticPolicy):
         return self._possible
 
 
+def host_signature() -> str:
+    """The host CPU's model and the cores this process may run on, e.g. "AMD EPYC (family 25
+    model 1) x2": a step's cost depends on them (on a CPU backend they are the device; on an
+    accelerator they run the host's share), and a cache directory shared between machines (a
+    home directory on a network file system) must not hand one machine's profile to another.
+    Family and model numbers are part of it because a virtual machine may name its CPU only
+    "AMD EPYC", whatever the generation."""
+    import platform
+
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():  # the first processor's block is enough
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:  # not Linux
+        pass
+    name = (fields.get("model name") or platform.processor() or platform.machine()
+            or "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return f"{name} x{cores}"
+
+
 def cache_key(engine) -> str:
     import jax
 
@@ -73,6 +103,7 @@ def cache_key(engine) -> str:
         "target": model_signature(engine.target.cfg),
         "draft": model_signature(engine.draft.cfg),
         "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+        "host": host_signature(),
         "kv_dtype": str(engine.runner.kv_dtype), "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": rc.max_num_batched_tokens,
         "block_size": engine.config.block_size, "gamma_buckets": list(engine.gamma_buckets),
@@ -141,7 +172,7 @@ def measure(engine, context: int = CONTEXT, steps: int = STEPS) -> StepProfile:
                     catch_up[:, bi] = _measure_catch_up(seqs, batch)
         finally:
             seqs.abort()
-    device = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
+    device = f"{jax.default_backend()}: {jax.devices()[0].device_kind} ({host_signature()})"
     return StepProfile(model_signature(engine.target.cfg), model_signature(engine.draft.cfg),
                        device, str(engine.runner.kv_dtype), grid.batch_sizes,
                        [g + 1 for g in grid.gammas], [grid.context], list(CATCH_UP_LENS),

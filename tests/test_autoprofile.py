@@ -5,6 +5,7 @@ the engine as it was."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -72,6 +73,12 @@ def test_a_second_engine_reuses_the_cached_profile(engine_models, cache, monkeyp
                                   first.policy.profile.target_time)
     # another batch shape is another cost signature: not served from this cache entry
     key = autoprofile.cache_key(second)
+    # nor is another machine sharing the cache directory (a home on a network file system)
+    assert autoprofile.host_signature().endswith(f" x{len(os.sched_getaffinity(0))}")
+    with monkeypatch.context() as m:
+        m.setattr(autoprofile, "host_signature", lambda: "Other CPU (family 6 model 85) x2")
+        assert autoprofile.cache_key(second) != key
+    assert autoprofile.cache_key(second) == key
     second.config = dataclasses.replace(second.config, max_num_seqs=4)
     assert autoprofile.cache_key(second) != key
 
