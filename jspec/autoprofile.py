@@ -22,8 +22,8 @@ sit at the same powers of two), every γ from 0 to Γmax, one context (128 token
 model is short) and catch-up lengths 2 and 8. On the 2-vCPU development machine the built-in
 pair takes 12-15 s at max_num_seqs 32, Γmax 5 (docs/benchmarks.md). The cache key is every
 input that changes a step's cost: both models' shapes, backend and device kind, the host's CPU
-model and usable cores, the KV dtype, and the engine's batch shape options. ``JSPEC_PROFILE_CACHE=off`` measures afresh every time
-without reading or writing the cache.
+model and usable cores, the KV dtype, and the engine's batch shape options.
+``JSPEC_PROFILE_CACHE=off`` measures afresh every time without reading or writing the cache.
 """
 
 from __future__ import annotations
