@@ -21,8 +21,9 @@ The grid is the batch sizes 1, 2, 4, ... up to ``max_num_seqs`` (the engine's ow
 sit at the same powers of two), every γ from 0 to Γmax, one context (128 tokens, less when the
 model is short) and catch-up lengths 2 and 8. On the 2-vCPU development machine the built-in
 pair takes 12-15 s at max_num_seqs 32, Γmax 5 (docs/benchmarks.md). The cache key is every
-input that changes a step's cost: both models' shapes, backend and device kind, the host's CPU
-model and usable cores, the KV dtype, and the engine's batch shape options.
+input that changes a step's cost: both models' shapes, the target's weight layout, backend and
+device kind, the host's CPU model and usable cores, the KV dtype, and the engine's batch shape
+options.
 ``JSPEC_PROFILE_CACHE=off`` measures afresh every time without reading or writing the cache.
 """
 
@@ -101,6 +102,7 @@ def cache_key(engine) -> str:
     parts = {
         "version": VERSION, "format": FORMAT,
         "target": model_signature(engine.target.cfg),
+        "weight_layout": engine.target.cfg.weight_layout,
         "draft": model_signature(engine.draft.cfg),
         "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
         "host": host_signature(),

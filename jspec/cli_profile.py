@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from jspec.bench.model_step import ForwardTimer
-    from jspec.config import resolve_dtype
+    from jspec.config import EngineConfig, resolve_dtype
+    from jspec.engine_setup import lay_out_weights
     from jspec.default_models import default_pair
     from jspec.llm import load_model
     from jspec.policies.profile import StepProfile, model_signature
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair()
         target = load_model(target_dir, dtype, "target")
         draft = load_model(draft_dir, dtype, "draft")
+    # the weight layout an engine would run these models in on this machine
+    target, (draft,) = lay_out_weights(EngineConfig(), target, [draft])
     limit = min(target.cfg.max_position_embeddings, draft.cfg.max_position_embeddings)
     if max(contexts) + max(query_lens) > limit or args.catch_up_context + max(catch_up_lens) > limit:
         raise ValueError(f"the grid reaches past the models' {limit} positions")

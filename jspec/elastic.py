@@ -75,7 +75,9 @@ class DraftState(enum.Enum):
 
 
 def tree_bytes(tree) -> int:
-    return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(tree))
+    # each array once: a tied output head laid out "out_in" is the embedding array itself
+    leaves = {id(leaf): leaf for leaf in jax.tree_util.tree_leaves(tree)}
+    return sum(int(leaf.nbytes) for leaf in leaves.values())
 
 
 def extension_blocks(draft_param_bytes: int, draft_kv_bytes_per_block: int,

@@ -60,6 +60,7 @@ class LLMEngine:
                  policy: Policy | None = None):
         config = config or EngineConfig()
         pool = engine_setup.draft_pool(target, draft)
+        target, pool = engine_setup.lay_out_weights(config, target, pool)
         # a lookup drafts from the sequences' own tokens: no draft model
         self.lookups = engine_setup.check_lookup(config, pool)
         if not pool and not self.lookups:

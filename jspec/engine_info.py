@@ -42,6 +42,7 @@ class EngineLimits:
     max_logprobs: int = 0
     kv_dtype: str = ""  # the KV cache's dtype (the models' unless EngineConfig.dtype forces one)
     kernel_backend: str = ""  # each kernel's backend (jspec.kernels.backend)
+    weight_layout: str = ""  # the target's projection weights: "in_out" or "out_in"
 
     @classmethod
     def of(cls, engine) -> "EngineLimits":
@@ -61,7 +62,8 @@ class EngineLimits:
             draft_pool=engine.pool_names if engine.runner.pool or engine.lookups else (),
             max_logprobs=(engine.runner.logprobs_width
                           if engine.inputs.logprobs_refusal is None else 0),
-            kv_dtype=str(engine.runner.kv_dtype), kernel_backend=engine.runner.kernel_backend)
+            kv_dtype=str(engine.runner.kv_dtype), kernel_backend=engine.runner.kernel_backend,
+            weight_layout=engine.target.cfg.weight_layout)
 
     @property
     def max_prompt_tokens(self) -> int:

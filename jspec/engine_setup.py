@@ -14,11 +14,13 @@ from jspec.elastic import ElasticMemory, extension_blocks, tree_bytes
 from jspec.platform import device_free_bytes
 from jspec.runner import LoadedModel
 from jspec.scheduler import Scheduler, SchedulerConfig
+from jspec.models.params import with_weight_layout
 from jspec.models.sharding import check_shardable
 from jspec.models.transformer import KVCache
 from jspec.policies import Policy, make_policy
 from jspec.policies.profile import StepProfile, model_signature
 from jspec.policies.static import OffPolicy
+from jspec.weight_layout import choose as choose_layout
 
 
 def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
@@ -42,6 +44,21 @@ def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
         for i, m in enumerate(pool):
             pool[i] = dataclasses.replace(m, name=f"{m.name}{i}")
     return pool
+
+
+def lay_out_weights(config: EngineConfig, target: LoadedModel, pool: list[LoadedModel]
+                    ) -> tuple[LoadedModel, list[LoadedModel]]:
+    """The target and the pool's draft models with their projection weights in the layout this
+    machine multiplies fastest (jspec/weight_layout.py); an EAGLE head keeps its own."""
+    layout = choose_layout(target.cfg, target.params, config.tensor_parallel_size)
+
+    def converted(m: LoadedModel) -> LoadedModel:
+        if m.eagle is not None or m.cfg.weight_layout == layout:
+            return m
+        params, cfg = with_weight_layout(m.params, m.cfg, layout)
+        return dataclasses.replace(m, cfg=cfg, params=params)
+
+    return converted(target), [converted(m) for m in pool]
 
 
 def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> tuple[str, ...]:

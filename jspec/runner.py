@@ -218,7 +218,8 @@ class ModelRunner:
             # the guarantee is bf16's (batch_invariance: float32 dots are not invariant on
             # XLA:CPU); probed on the target's fused QKV projection shape
             batch_invariance.warn_if_unsupported("bfloat16", target.cfg.hidden_size,
-                                                 target.cfg.q_size + 2 * target.cfg.kv_size)
+                                                 target.cfg.q_size + 2 * target.cfg.kv_size,
+                                                 target.cfg.weight_layout)
         # Elastic memory's extension (jspec/elastic.py): "segments" adds it to the target's
         # pool as a second array while the draft is offloaded (expand_target_pool) and drops it
         # at contraction; "preallocated" sizes the one array for base + extension from the

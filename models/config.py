@@ -15,6 +15,7 @@ from typing import Any, Mapping
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu",)
+WEIGHT_LAYOUTS = ("in_out", "out_in")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +40,15 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: keys older than this many positions are masked
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # how the projection weights are stored in the params (models/params.py): "in_out" (x @ W)
+    # or "out_in" (x @ W.T, the checkpoint's layout); a property of the runtime pytree, not of
+    # the architecture, chosen per machine by jspec/weight_layout.py
+    weight_layout: str = "in_out"
 
     def __post_init__(self):
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got "
+                             f"{self.weight_layout!r}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {self.model_type!r} is not supported; supported: "

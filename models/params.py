@@ -16,20 +16,25 @@ Layout (a plain nested dict of arrays; layers are stacked on a leading axis so t
     final_norm   [hidden]
     lm_head      [hidden, vocab]
 
-Weights are stored ``[in, out]`` so every projection is ``x @ W``. The output head in particular
-is kept as ``[hidden, vocab]`` even for tied-embedding models (a transposed copy of ``embed``):
-on this CPU, ``x @ W`` with W ``[hidden, vocab]`` measured 5-7x faster than ``x @ E.T`` for two or
-more rows, and the head is the single largest matmul of a small model. The loader writes a tied
-model back with one tensor.
+Weights are stored ``[in, out]`` so every projection is ``x @ W`` (``cfg.weight_layout`` "in_out",
+the layout the loader builds and tensor parallelism shards). The output head in particular is kept
+as ``[hidden, vocab]`` even for tied-embedding models (a transposed copy of ``embed``). An engine
+may convert the params to "out_in" (``with_weight_layout``): every projection weight ``[.., out,
+in]``, the checkpoint's own layout, multiplied as ``x @ W.T``, and a tied head that is ``embed``
+itself. Which one multiplies faster depends on the CPU's matmul library: on a 2-vCPU AMD Zen 3
+"out_in" runs Qwen2.5-0.5B-shaped bf16 projections 1.2-2.5x faster at 2-64 rows, with the same
+bits (jspec/weight_layout.py measures it per machine; docs/benchmarks.md, "Weight layout").
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.models.config import ModelConfig
+from jspec.models.config import WEIGHT_LAYOUTS, ModelConfig
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -71,6 +76,31 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float =
     else:
         params["lm_head"] = make("lm_head", shapes["lm_head"])
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), params)
+
+
+_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def with_weight_layout(params: dict, cfg: ModelConfig, layout: str) -> tuple[dict, ModelConfig]:
+    """``params`` (laid out as ``cfg.weight_layout`` says) and ``cfg`` converted to ``layout``:
+    the projection weights' last two axes swapped, and the output head transposed (a tied
+    model's "out_in" head is ``embed`` itself, no second copy). The values are unchanged; only
+    the order in memory differs."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
+    if layout == cfg.weight_layout:
+        return params, cfg
+
+    def swap(a):
+        return jnp.swapaxes(a, -1, -2).copy()
+
+    layers = {k: swap(v) if k in _PROJECTIONS else v for k, v in params["layers"].items()}
+    if cfg.tie_word_embeddings and layout == "out_in":
+        head = params["embed"]
+    else:
+        head = swap(params["lm_head"])
+    return ({**params, "layers": layers, "lm_head": head},
+            dataclasses.replace(cfg, weight_layout=layout))
 
 
 def params_nbytes(params: dict) -> int:

@@ -132,6 +132,9 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     their shards, so a model larger than one device's memory never lands on one device whole."""
     tp = mesh.size
     check_shardable(cfg, tp)
+    if cfg.weight_layout != "in_out":  # the specs below name the [in, out] axes
+        raise ValueError(f"tensor parallelism shards weights laid out 'in_out', got "
+                         f"{cfg.weight_layout!r}")
     host = jax.tree_util.tree_map(np.asarray, params)
     specs = param_specs(cfg, tp)
     return jax.tree_util.tree_map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)),
@@ -144,8 +147,9 @@ def bytes_per_device(tree) -> int:
     host memory (an offloaded draft's pinned_host copy) and numpy arrays do not count. Reads
     shapes and placements only, never the data: a server's metrics thread calls it while the
     engine thread donates the KV pools it lists."""
-    arrays = [a for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)
-              and a.sharding.memory_kind in (None, "device")]
+    # by identity: a tied output head laid out "out_in" is the embedding array itself
+    arrays = list({id(a): a for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)
+                   and a.sharding.memory_kind in (None, "device")}.values())
     if not arrays:
         return 0
     first = min(arrays[0].sharding.device_set, key=lambda d: d.id)

@@ -64,27 +64,33 @@ _PROBE_ROWS = (MIN_DOT_ROWS + 1, 8, 64, 256)
 
 
 @functools.lru_cache(maxsize=None)
-def probe_dots(dtype_name: str, depth: int, width: int) -> str | None:
+def probe_dots(dtype_name: str, depth: int, width: int, layout: str = "in_out") -> str | None:
     """Whether this backend's ``[rows, depth] @ [depth, width]`` dots (``dtype_name`` inputs,
-    float32 accumulation) give a row the same bits for every row count from ``MIN_DOT_ROWS``
-    up: None if so, else what differed. The premise of the mode, checked once per process and
+    float32 accumulation; the weight stored ``[depth, width]``, or ``[width, depth]`` for
+    ``layout`` "out_in") give a row the same bits for every row count from ``MIN_DOT_ROWS`` up:
+    None if so, else what differed. The premise of the mode, checked once per process and
     shape on the machine that runs it (a few milliseconds of compiling)."""
     rng = np.random.default_rng(0)
     dtype = jnp.dtype(dtype_name)
-    w = jnp.asarray(rng.standard_normal((depth, width)) * 0.05, dtype)
+    w = rng.standard_normal((depth, width)) * 0.05
+    contract = 0
+    if layout == "out_in":
+        w, contract = np.ascontiguousarray(w.T), 1
+    w = jnp.asarray(w, dtype)
     x = jnp.asarray(rng.standard_normal((max(_PROBE_ROWS), depth)), dtype)
-    dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    dot = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (contract,)), ((), ())),
+                                                   preferred_element_type=jnp.float32))
     row = np.asarray(dot(x[:MIN_DOT_ROWS], w))[0]
     for rows in _PROBE_ROWS:
         if not np.array_equal(np.asarray(dot(x[:rows], w))[0], row):
             return (f"a {dtype_name} dot's first row differs between {MIN_DOT_ROWS} and {rows} "
-                    f"rows ([rows, {depth}] @ [{depth}, {width}])")
+                    f"rows ([rows, {depth}] @ [{depth}, {width}], weights {layout})")
     return None
 
 
-def warn_if_unsupported(dtype_name: str, depth: int, width: int) -> None:
+def warn_if_unsupported(dtype_name: str, depth: int, width: int, layout: str = "in_out") -> None:
     """Warn once per shape if ``probe_dots`` finds this backend's dots batch-dependent."""
-    reason = probe_dots(dtype_name, depth, width)
+    reason = probe_dots(dtype_name, depth, width, layout)
     if reason is not None:
         warnings.warn(f"deterministic mode cannot make logits batch-invariant on this backend: "
                       f"{reason}; greedy speculative output may differ from plain greedy "

@@ -26,6 +26,12 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), TEST_XLA_FLAGS)))
 
+# An engine on a CPU picks its weight layout by timing both (jspec/weight_layout.py); timings
+# at optimization level 0 would pick at random. The suite runs the layout named here
+# (JSPEC_WEIGHT_LAYOUT=out_in pytest runs it all the other way); tests/test_weight_layout.py
+# runs the other one and the choice itself.
+os.environ.setdefault("JSPEC_WEIGHT_LAYOUT", "in_out")
+
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():

@@ -36,16 +36,23 @@ def test_pad_rows_and_min_q_block():
     assert [min_q_block(g) for g in (1, 2, 3, 4, 7, 8)] == [4, 2, 2, 1, 1, 1]
 
 
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
 @pytest.mark.parametrize("shape", [(64, 192), (192, 64), (896, 4864), (4864, 896)])
-def test_xla_dot_rows_do_not_depend_on_the_row_count(shape):
+def test_xla_dot_rows_do_not_depend_on_the_row_count(shape, layout):
     """What the mode rests on: on this backend a row of a bf16 dot (float32 accumulation)
-    comes out bit-identical for every row count from MIN_DOT_ROWS up, in any position. If a
-    machine breaks this, the deterministic mode's guarantee does not hold there."""
+    comes out bit-identical for every row count from MIN_DOT_ROWS up, in any position, with
+    the weight stored either way (models/params.py). If a machine breaks this, the
+    deterministic mode's guarantee does not hold there."""
     rng = np.random.default_rng(0)
     k, n = shape
-    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16)
+    w = rng.standard_normal((k, n)) * 0.05
+    contract = 0
+    if layout == "out_in":
+        w, contract = np.ascontiguousarray(w.T), 1
+    w = jnp.asarray(w, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((256, k)), jnp.bfloat16)
-    dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    dot = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (contract,)), ((), ())),
+                                                   preferred_element_type=jnp.float32))
     row = np.asarray(dot(x[:MIN_DOT_ROWS], w))[0]
     for rows in (MIN_DOT_ROWS + 1, 8, 17, 64, 256):
         np.testing.assert_array_equal(np.asarray(dot(x[:rows], w))[0], row, err_msg=f"{rows}")
@@ -145,6 +152,7 @@ def test_the_backend_probe_passes_here_and_names_what_differs(monkeypatch):
     from jspec.kernels import batch_invariance
 
     assert batch_invariance.probe_dots("bfloat16", 64, 192) is None
+    assert batch_invariance.probe_dots("bfloat16", 64, 192, "out_in") is None
     # a backend whose dots changed order past 4 rows would be named, with the shapes
     monkeypatch.setattr(batch_invariance, "MIN_DOT_ROWS", 1)
     batch_invariance.probe_dots.cache_clear()

@@ -304,6 +304,16 @@ def _print_setup(args: argparse.Namespace, configs: dict) -> None:
           f"cost ratio target/draft = {flops_ratio:.1f}x in params (FLOPs and bytes per token)")
 
 
+def _laid_out(cfg, params, mesh):
+    """``params`` (laid out "in_out") and ``cfg`` in the weight layout an engine would run on
+    this machine (jspec/weight_layout.py)."""
+    from jspec.models.params import with_weight_layout
+    from jspec.weight_layout import choose
+
+    return with_weight_layout(params, cfg, choose(cfg, params,
+                                                  1 if mesh is None else mesh.size))
+
+
 def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
                 bandwidth: float) -> dict:
     """Time one (dtype, model) over the grid with random weights, print its table and
@@ -312,7 +322,8 @@ def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
 
     dtype_name, model = which
     dtype = jnp.dtype(DTYPES[dtype_name])
-    params = random_params(cfg, dtype)
+    base_cfg = cfg
+    params, cfg = _laid_out(cfg, random_params(cfg, dtype), mesh)
     weight_bytes = weight_bytes_per_step(params)
     results, timer = time_grid(cfg, params, dtype, args, mesh, shard=model == "target")
     run = {"dtype": dtype_name, "model": model, "config": cfg,
@@ -326,7 +337,8 @@ def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
         print(line)
     _print_observations(results, args, weight_bytes, bandwidth)
     if args.batch_invariant and model == "target":
-        ratios = time_invariance_cost(cfg, random_params(cfg, dtype), dtype, args, mesh)
+        params, laid_cfg = _laid_out(base_cfg, random_params(base_cfg, dtype), mesh)
+        ratios = time_invariance_cost(laid_cfg, params, dtype, args, mesh)
         run["batch_invariant_ratio"] = ratios
         print("  batch-invariant numerics: time / default time")
         for line in _format_table(ratios, args, "x"):

@@ -1,0 +1,152 @@
+"""Weight layouts (models/params.py ``with_weight_layout``) and the per-machine choice between them
+(jspec/weight_layout.py). The rest of the suite runs the layout tests/conftest.py names; these
+tests run the other one through the engine and check the choice itself."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_engine, run_to_completion
+from jspec import weight_layout
+from jspec.models.params import init_params, with_weight_layout
+from jspec.models.tiny import tiny_config
+from jspec.runner import LoadedModel
+from jspec.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def test_conversion_swaps_the_projections_and_shares_a_tied_head():
+    cfg = tiny_config("llama", vocab_size=256, tie_word_embeddings=True)
+    params = init_params(cfg, seed=0)
+    out, out_cfg = with_weight_layout(params, cfg, "out_in")
+    assert out_cfg.weight_layout == "out_in" and cfg.weight_layout == "in_out"
+    for name in weight_layout.PROJECTIONS:
+        np.testing.assert_array_equal(out["layers"][name],
+                                      np.swapaxes(params["layers"][name], -1, -2))
+    assert out["lm_head"] is out["embed"]  # no second copy of a tied head
+    np.testing.assert_array_equal(out["layers"]["attn_norm"], params["layers"]["attn_norm"])
+    back, back_cfg = with_weight_layout(out, out_cfg, "in_out")
+    assert back_cfg == cfg
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    assert with_weight_layout(params, cfg, "in_out")[0] is params
+    with pytest.raises(ValueError, match="weight layout must be one of"):
+        with_weight_layout(params, cfg, "column")
+
+
+def _cast(m: LoadedModel, dtype) -> LoadedModel:
+    return LoadedModel(m.cfg, jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), m.params),
+                       m.name)
+
+
+@pytest.fixture(scope="module")
+def bf16_models(engine_models):
+    return tuple(_cast(m, jnp.bfloat16) for m in engine_models[:2])
+
+
+def test_speculative_equals_plain_with_the_other_layout(bf16_models, mixed_prompts,
+                                                        monkeypatch):
+    """Deterministic mode's guarantee in bf16 with the weights laid out 'out_in': a batch of
+    speculative sequences, each verified beside other rows and prefill chunks, gives what
+    plain decoding gives each prompt alone."""
+    monkeypatch.setenv(weight_layout.ENV, "out_in")
+    target, draft = bf16_models
+    prompts = mixed_prompts[:6]
+    plain = make_engine(target, None, dtype="bfloat16")
+    assert plain.target.cfg.weight_layout == "out_in"
+    alone = [run_to_completion(plain, [p], GREEDY)["0"].token_ids for p in prompts]
+    spec = make_engine(target, draft, policy_options=(("gamma", 3),), dtype="bfloat16")
+    outs = run_to_completion(spec, prompts, GREEDY)
+    assert [outs[str(i)].token_ids for i in range(len(prompts))] == alone
+    assert spec.metrics.spec_decode_num_accepted_tokens > 0
+
+
+def test_both_layouts_compute_the_same_model(engine_models, ten_prompts, greedy_reference,
+                                            monkeypatch):
+    """fp32 greedy decoding with the weights laid out 'out_in' reproduces the suite's reference
+    (laid out as conftest.py says)."""
+    monkeypatch.setenv(weight_layout.ENV, "out_in")
+    engine = make_engine(engine_models[0], None)
+    assert engine.target.cfg.weight_layout == "out_in"
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = run_to_completion(engine, ten_prompts, greedy)
+    assert [outs[str(i)].token_ids for i in range(len(ten_prompts))] == greedy_reference
+
+
+@pytest.fixture
+def probe_params():
+    cfg = tiny_config("llama", vocab_size=256)
+    return cfg, init_params(cfg, seed=0, dtype=jnp.bfloat16)
+
+
+def test_the_choice_measures_once_per_machine_and_keeps_the_default_without_a_clear_win(
+        probe_params, monkeypatch, tmp_path, capsys):
+    cfg, params = probe_params
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv(weight_layout.ENV, "auto")
+    calls = []
+
+    def fake(seconds):
+        def measure(weights):
+            calls.append(sorted(weights))
+            return seconds
+        return measure
+
+    # 3% faster is inside the margin: the default stays
+    monkeypatch.setattr(weight_layout, "measure", fake({"in_out": 1.0, "out_in": 0.97}))
+    assert weight_layout.choose(cfg, params) == "in_out"
+    assert calls == [sorted(["wqkv", "wo", "w_gate_up", "w_down", "lm_head"])]
+    assert "weight layout 'in_out'" in capsys.readouterr().err
+    assert weight_layout.choose(cfg, params) == "in_out" and len(calls) == 1  # cached
+    entry, = (tmp_path / "weight_layout").glob("*.json")
+    assert json.loads(entry.read_text())["key"]["shapes"]["w_gate_up"] == [
+        cfg.hidden_size, 2 * cfg.intermediate_size]
+    # another machine's timings (a fresh cache): a clear win is taken
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(weight_layout, "measure", fake({"in_out": 1.0, "out_in": 0.8}))
+    assert weight_layout.choose(cfg, params) == "out_in"
+    # JSPEC_PROFILE_CACHE=off: measured again, nothing written
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "none"))
+    monkeypatch.setenv("JSPEC_PROFILE_CACHE", "off")
+    assert weight_layout.choose(cfg, params) == "out_in"
+    assert not (tmp_path / "none").exists()
+
+
+def test_the_real_probe_times_both_layouts(probe_params):
+    _, params = probe_params
+    seconds = weight_layout.measure(weight_layout.probe_weights(params))
+    assert set(seconds) == {"in_out", "out_in"} and min(seconds.values()) > 0
+
+
+def test_the_override_and_what_keeps_the_default(probe_params, monkeypatch):
+    cfg, params = probe_params
+    monkeypatch.setattr(weight_layout, "measure", lambda w: pytest.fail("measured"))
+    for layout in ("in_out", "out_in"):
+        monkeypatch.setenv(weight_layout.ENV, layout)
+        assert weight_layout.choose(cfg, params) == layout
+    monkeypatch.setenv(weight_layout.ENV, "auto")
+    assert weight_layout.choose(cfg, params, tensor_parallel_size=2) == "in_out"
+    monkeypatch.setenv(weight_layout.ENV, "out_in")
+    with pytest.raises(ValueError, match="tensor parallelism shards weights laid out 'in_out'"):
+        weight_layout.choose(cfg, params, tensor_parallel_size=2)
+    monkeypatch.setenv(weight_layout.ENV, "rows")
+    with pytest.raises(ValueError, match="JSPEC_WEIGHT_LAYOUT='rows': expected one of auto, "
+                                         "in_out, out_in"):
+        weight_layout.choose(cfg, params)
+
+
+def test_tensor_parallel_sharding_refuses_the_other_layout(probe_params):
+    from jspec.models import sharding
+
+    cfg, params = probe_params
+    params, cfg = with_weight_layout(params, cfg, "out_in")
+    mesh = types.SimpleNamespace(size=2)  # refused before any device is touched
+    with pytest.raises(ValueError, match="shards weights laid out 'in_out', got 'out_in'"):
+        sharding.shard_params(params, cfg, mesh)
