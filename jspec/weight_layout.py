@@ -46,8 +46,7 @@ def requested() -> str:
 
 
 def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=None) -> str:
-    """The layout for the model ``cfg`` and ``params`` (laid out "in_out") describe (module
-    docstring)."""
+    """The layout for the model ``cfg`` and ``params`` describe (module docstring)."""
     import jax
     import numpy as np
 
@@ -59,8 +58,10 @@ def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=No
         return "in_out"
     if want != "auto":
         return want
-    if jax.default_backend() != "cpu" or cfg.weight_layout != "in_out":
-        return "in_out" if cfg.weight_layout == "in_out" else cfg.weight_layout
+    if cfg.weight_layout != "in_out":  # laid out already: the probe reads "in_out" weights
+        return cfg.weight_layout
+    if jax.default_backend() != "cpu":
+        return "in_out"
     weights = probe_weights(params)
     dtype_name = str(np.dtype(weights["w_gate_up"].dtype))
     from jspec.autoprofile import host_signature
