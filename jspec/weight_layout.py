@@ -84,11 +84,14 @@ def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=No
     times = measure(weights)
     layout = "out_in" if times["out_in"] <= MARGIN * times["in_out"] else "in_out"
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": json.loads(key), "layout": layout,
-                                   "seconds": times}))
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": json.loads(key), "layout": layout,
+                                       "seconds": times}))
+            os.replace(tmp, path)
+        except OSError:  # a read-only cache directory: measured again next time
+            pass
     print(f"jspec: weight layout {layout!r} on this CPU (one layer's projections and the "
           f"output head, {dtype_name}, at {', '.join(map(str, PROBE_ROWS))} rows: in_out "
           f"{times['in_out'] * 1e3:.2f} ms, out_in {times['out_in'] * 1e3:.2f} ms; {ENV} "

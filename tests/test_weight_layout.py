@@ -117,6 +117,12 @@ def test_the_choice_measures_once_per_machine_and_keeps_the_default_without_a_cl
     monkeypatch.setenv("JSPEC_PROFILE_CACHE", "off")
     assert weight_layout.choose(cfg, params) == "out_in"
     assert not (tmp_path / "none").exists()
+    # a cache directory that cannot be written: measured, nothing cached, no error
+    monkeypatch.setenv("JSPEC_PROFILE_CACHE", "on")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("JSPEC_CACHE", str(blocked))
+    assert weight_layout.choose(cfg, params) == "out_in"
 
 
 def test_the_real_probe_times_both_layouts(probe_params):
