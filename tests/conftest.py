@@ -28,8 +28,8 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), TE
 
 # An engine on a CPU picks its weight layout by timing both (jspec/weight_layout.py); timings
 # at optimization level 0 would pick at random. The suite runs the layout named here
-# (JSPEC_WEIGHT_LAYOUT=out_in pytest runs it all the other way); tests/test_weight_layout.py
-# runs the other one and the choice itself.
+# (JSPEC_WEIGHT_LAYOUT=out_in pytest runs it the other way, but for the tensor-parallel tests,
+# which refuse that override); tests/test_weight_layout.py runs the other one and the choice.
 os.environ.setdefault("JSPEC_WEIGHT_LAYOUT", "in_out")
 
 
