@@ -95,6 +95,11 @@ def host_signature() -> str:
     return f"{name} x{cores}"
 
 
+def cache_enabled() -> bool:
+    """False when ``JSPEC_PROFILE_CACHE`` turns the cache of measured machine facts off."""
+    return os.environ.get("JSPEC_PROFILE_CACHE", "on").lower() not in ("0", "off", "false")
+
+
 def cache_key(engine) -> str:
     import jax
 
@@ -121,7 +126,7 @@ def engine_profile(engine, log=None) -> StepProfile:
     log = log or sys.stderr
     from jspec.default_models import cache_dir
 
-    use_cache = os.environ.get("JSPEC_PROFILE_CACHE", "on").lower() not in ("0", "off", "false")
+    use_cache = cache_enabled()
     path = cache_dir() / "profiles" / f"{cache_key(engine)}.json"
     if use_cache and path.exists():
         try:

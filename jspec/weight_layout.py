@@ -64,14 +64,13 @@ def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=No
         return "in_out"
     weights = probe_weights(params)
     dtype_name = str(np.dtype(weights["w_gate_up"].dtype))
-    from jspec.autoprofile import host_signature
+    from jspec.autoprofile import cache_enabled, host_signature
     from jspec.default_models import cache_dir
 
     key = json.dumps({"host": host_signature(), "jax": jax.__version__, "dtype": dtype_name,
                       "shapes": {k: list(w.shape) for k, w in weights.items()},
                       "rows": PROBE_ROWS}, sort_keys=True)
-    use_cache = os.environ.get("JSPEC_PROFILE_CACHE", "on").lower() not in ("0", "off",
-                                                                             "false")
+    use_cache = cache_enabled()
     path = (cache_dir() / "weight_layout"
             / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
     if use_cache and path.exists():
