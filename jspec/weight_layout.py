@@ -109,17 +109,18 @@ def probe_weights(params: dict) -> dict:
 
 
 def measure(weights: dict) -> dict[str, float]:
-    """Seconds of ``x @ W`` (float32 accumulation) for every weight of ``weights`` (laid out
-    "in_out") at each of ``PROBE_ROWS`` rows, summed, the fastest of ``ROUNDS`` interleaved
-    calls each, per layout."""
+    """Seconds of the model's own product (``models/transformer.project``) for every weight of
+    ``weights`` (laid out "in_out") at each of ``PROBE_ROWS`` rows, summed, the fastest of
+    ``ROUNDS`` interleaved calls each, per layout."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
-    def product(contract):
-        return jax.jit(lambda x, w: jax.lax.dot_general(
-            x, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32))
+    from jspec.models.transformer import project
 
-    fns = {"in_out": product(0), "out_in": product(1)}
+    fns = {layout: jax.jit(functools.partial(project, layout=layout))
+           for layout in WEIGHT_LAYOUTS}
     cases = []  # (layout, name, rows, x, w)
     key = jax.random.PRNGKey(0)
     for name, w in weights.items():

@@ -337,7 +337,10 @@ def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
         print(line)
     _print_observations(results, args, weight_bytes, bandwidth)
     if args.batch_invariant and model == "target":
-        params, laid_cfg = _laid_out(base_cfg, random_params(base_cfg, dtype), mesh)
+        from jspec.models.params import with_weight_layout
+
+        params, laid_cfg = with_weight_layout(random_params(base_cfg, dtype), base_cfg,
+                                              cfg.weight_layout)
         ratios = time_invariance_cost(laid_cfg, params, dtype, args, mesh)
         run["batch_invariant_ratio"] = ratios
         print("  batch-invariant numerics: time / default time")
