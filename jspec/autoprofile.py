@@ -108,6 +108,7 @@ def cache_key(engine) -> str:
         "version": VERSION, "format": FORMAT,
         "target": model_signature(engine.target.cfg),
         "weight_layout": engine.target.cfg.weight_layout,
+        "layer_buffers": engine.target.cfg.layer_buffers,
         "draft": model_signature(engine.draft.cfg),
         "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
         "host": host_signature(),

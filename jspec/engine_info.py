@@ -43,6 +43,7 @@ class EngineLimits:
     kv_dtype: str = ""  # the KV cache's dtype (the models' unless EngineConfig.dtype forces one)
     kernel_backend: str = ""  # each kernel's backend (jspec.kernels.backend)
     weight_layout: str = ""  # the target's projection weights: "in_out" or "out_in"
+    layer_buffers: str = ""  # the target's layer weights: "stacked" or "per_layer"
 
     @classmethod
     def of(cls, engine) -> "EngineLimits":
@@ -63,7 +64,8 @@ class EngineLimits:
             max_logprobs=(engine.runner.logprobs_width
                           if engine.inputs.logprobs_refusal is None else 0),
             kv_dtype=str(engine.runner.kv_dtype), kernel_backend=engine.runner.kernel_backend,
-            weight_layout=engine.target.cfg.weight_layout)
+            weight_layout=engine.target.cfg.weight_layout,
+            layer_buffers=engine.target.cfg.layer_buffers)
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -14,13 +14,14 @@ from jspec.elastic import ElasticMemory, extension_blocks, tree_bytes
 from jspec.platform import device_free_bytes
 from jspec.runner import LoadedModel
 from jspec.scheduler import Scheduler, SchedulerConfig
-from jspec.models.params import with_weight_layout
+from jspec.models.params import lay_out
 from jspec.models.sharding import check_shardable
 from jspec.models.transformer import KVCache
 from jspec.policies import Policy, make_policy
 from jspec.policies.profile import StepProfile, model_signature
 from jspec.policies.static import OffPolicy
 from jspec.weight_layout import choose as choose_layout
+from jspec.weight_layout import choose_buffers
 
 
 def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
@@ -49,16 +50,22 @@ def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
 def lay_out_weights(config: EngineConfig, target: LoadedModel, pool: list[LoadedModel]
                     ) -> tuple[LoadedModel, list[LoadedModel]]:
     """The target and the pool's draft models with their projection weights in the layout this
-    machine multiplies fastest (jspec/weight_layout.py); an EAGLE head keeps its own."""
-    layout = choose_layout(target.cfg, target.params, config.tensor_parallel_size)
+    machine multiplies fastest, and the target's layer weights stacked or in a buffer per
+    layer, whichever this machine runs faster for it (jspec/weight_layout.py). Draft models keep
+    theirs stacked: they run inside the draft loop (a ``while_loop``), where per-layer buffers
+    measured slower (docs/benchmarks.md, "Layer buffers"). An EAGLE head keeps its own."""
+    tp = config.tensor_parallel_size
+    layout = choose_layout(target.cfg, target.params, tp)
 
-    def converted(m: LoadedModel) -> LoadedModel:
-        if m.eagle is not None or m.cfg.weight_layout == layout:
+    def converted(m: LoadedModel, buffers: str) -> LoadedModel:
+        if m.eagle is not None or (layout, buffers) == (m.cfg.weight_layout,
+                                                        m.cfg.layer_buffers):
             return m
-        params, cfg = with_weight_layout(m.params, m.cfg, layout)
+        params, cfg = lay_out(m.params, m.cfg, layout, buffers)
         return dataclasses.replace(m, cfg=cfg, params=params)
 
-    return converted(target), [converted(m) for m in pool]
+    return (converted(target, choose_buffers(target.cfg, target.params, layout, tp)),
+            [converted(m, "stacked") for m in pool])
 
 
 def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Which layout the models' projection weights take on this machine, chosen by measurement.
 
 A projection can be stored ``[in, out]`` and multiplied as ``x @ W`` or stored ``[out, in]`` (the
-checkpoint's layout) and multiplied as ``x @ W.T`` (models/params.py, ``with_weight_layout``).
+checkpoint's layout) and multiplied as ``x @ W.T`` (models/params.py, ``lay_out``).
 The values are the same and so are the products' bits where it was checked (XLA:CPU's matmul
 library packs either into the same kernel); the speed is not, and which layout is faster
 depends on the CPU. On a 2-vCPU AMD Zen 3 (AVX2, no bf16 instructions) XLA:CPU multiplies
@@ -13,9 +13,21 @@ target's first layer's projections and its output head (``probe_weights``) both 
 CPU, core count, jax version, dtype and shapes beside the step-time profiles
 (``JSPEC_PROFILE_CACHE=off``: measure afresh, write nothing).
 
-``JSPEC_WEIGHT_LAYOUT`` = ``in_out`` / ``out_in`` forces a layout (``auto``, the default,
-measures). Accelerators and tensor parallelism keep ``in_out``: that is what the sharding rules
-name, and nothing has measured the other on a GPU or TPU.
+The target's layer weights are held stacked (one ``[L, ...]`` array per weight, the forward a
+scan over layers) or in a buffer per layer (the forward unrolled; models/params.py). XLA:CPU
+copies each layer's slice out of a stacked array before multiplying it; when the layers do not
+stay in the CPU's caches the copies are a third of the forward (Qwen2.5-0.5B shapes on a 2-vCPU
+AMD Zen 3: 190-216 against 129-170 ms at B = 1), while per-layer buffers compile every layer
+apart (about twice the first start of an engine, once per machine with the persistent
+compilation cache). ``choose_buffers`` times a chain through the projections of the target's
+first layers (as many as hold ``PROBE_BYTES``, so that they leave the caches as a larger model's
+would) both ways at 2 and 16 rows and takes per-layer buffers where they take at most 0.9 of
+the stacked time; cached like the layout. Draft models stay stacked (engine_setup.py).
+
+``JSPEC_WEIGHT_LAYOUT`` = ``in_out`` / ``out_in`` forces a layout and ``JSPEC_LAYER_BUFFERS`` =
+``stacked`` / ``per_layer`` the target's layer buffers (``auto``, the default, measures).
+Accelerators and tensor parallelism keep ``in_out`` and stacked layers: that is what the
+sharding rules name, and nothing has measured the others on a GPU or TPU.
 """
 
 from __future__ import annotations
@@ -26,14 +38,19 @@ import os
 import sys
 import time
 
-from jspec.models.config import WEIGHT_LAYOUTS, ModelConfig
+from jspec.models.config import LAYER_BUFFERS, WEIGHT_LAYOUTS, ModelConfig
 
 ENV = "JSPEC_WEIGHT_LAYOUT"
+BUFFERS_ENV = "JSPEC_LAYER_BUFFERS"
 PROBE_ROWS = (1, 4, 16)
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 HEAD_COLUMNS = 32768
 ROUNDS = 7  # interleaved timed calls per (layout, rows); the fastest of each counts
 MARGIN = 0.95  # "out_in" must take at most this share of "in_out"'s time to be chosen
+BUFFER_ROWS = (2, 16)
+# "per_layer" must take at most this share of "stacked"'s time: it compiles every layer apart
+BUFFER_MARGIN = 0.9
+PROBE_BYTES = 128 << 20  # layer weights the buffer probe runs through, at most (probe_layers)
 
 
 def requested() -> str:
@@ -50,52 +67,135 @@ def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=No
     import jax
     import numpy as np
 
-    want = requested()
-    if tensor_parallel_size > 1:
-        if want == "out_in":
-            raise ValueError(f"{ENV}=out_in: tensor parallelism shards weights laid out "
-                             f"'in_out'; unset it or use tensor_parallel_size=1")
-        return "in_out"
-    if want != "auto":
-        return want
+    forced = _forced(requested(), ENV, "in_out", "weights laid out 'in_out'",
+                     tensor_parallel_size)
+    if forced:
+        return forced
     if cfg.weight_layout != "in_out":  # laid out already: the probe reads "in_out" weights
         return cfg.weight_layout
     if jax.default_backend() != "cpu":
         return "in_out"
     weights = probe_weights(params)
     dtype_name = str(np.dtype(weights["w_gate_up"].dtype))
+    key = {"dtype": dtype_name, "rows": PROBE_ROWS,
+           "shapes": {k: list(w.shape) for k, w in weights.items()}}
+    layout, times = _cached("weight_layout", key, WEIGHT_LAYOUTS, lambda: _decide_layout(weights))
+    if times is not None:
+        print(f"jspec: weight layout {layout!r} on this CPU (one layer's projections and the "
+              f"output head, {dtype_name}, at {', '.join(map(str, PROBE_ROWS))} rows: in_out "
+              f"{times['in_out'] * 1e3:.2f} ms, out_in {times['out_in'] * 1e3:.2f} ms; {ENV} "
+              f"overrides)", file=log or sys.stderr, flush=True)
+    return layout
+
+
+def _decide_layout(weights: dict) -> tuple[str, dict]:
+    times = measure(weights)
+    return ("out_in" if times["out_in"] <= MARGIN * times["in_out"] else "in_out"), times
+
+
+def choose_buffers(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_size: int = 1,
+                   log=None) -> str:
+    """How the layer weights of the model ``cfg`` and ``params`` describe are to be held once
+    laid out as ``layout``: "per_layer" where a chain through the layers' projections
+    (``measure_buffers``) at ``BUFFER_ROWS`` rows takes at most ``BUFFER_MARGIN`` of its time
+    with the weights stacked, else "stacked" (module docstring)."""
+    import jax
+    import numpy as np
+
+    forced = _forced(requested_buffers(), BUFFERS_ENV, "stacked", "stacked layer weights",
+                     tensor_parallel_size)
+    if forced:
+        return forced
+    if cfg.layer_buffers != "stacked":  # held per layer already: kept
+        return cfg.layer_buffers
+    if jax.default_backend() != "cpu":
+        return "stacked"
+    layers = probe_layers(params, cfg, layout)
+    dtype_name = str(np.dtype(layers["w_gate_up"].dtype))
+    key = {"dtype": dtype_name, "rows": BUFFER_ROWS, "layout": layout,
+           "shapes": {k: list(w.shape) for k, w in layers.items()}}
+
+    def decide():
+        times = measure_buffers(layers, cfg, layout)
+        per_layer = times["per_layer"] <= BUFFER_MARGIN * times["stacked"]
+        return ("per_layer" if per_layer else "stacked"), times
+
+    buffers, times = _cached("layer_buffers", key, LAYER_BUFFERS, decide)
+    del layers
+    if times is not None:
+        print(f"jspec: layer weights {buffers!r} on this CPU ({key['shapes']['wqkv'][0]} of "
+              f"{cfg.num_layers} layers' projections, {dtype_name}, at "
+              f"{', '.join(map(str, BUFFER_ROWS))} rows: stacked {times['stacked'] * 1e3:.2f} ms, "
+              f"per_layer {times['per_layer'] * 1e3:.2f} ms; {BUFFERS_ENV} overrides)",
+              file=log or sys.stderr, flush=True)
+    return buffers
+
+
+def probe_layers(params: dict, cfg: ModelConfig, layout: str) -> dict:
+    """The stacked projection weights the buffer probe runs through, laid out as ``layout``:
+    the first layers, as many as hold ``PROBE_BYTES`` (all of a smaller model): enough that they
+    do not stay in a CPU's caches when the model's layers do not, without a second copy of a
+    large model."""
+    import jax.numpy as jnp
+
+    stacked = {name: params["layers"][name] for name in PROJECTIONS}
+    per_layer = sum(w.nbytes // w.shape[0] for w in stacked.values())
+    n = min(cfg.num_layers, max(1, -(-PROBE_BYTES // per_layer)))
+    swap = layout != cfg.weight_layout
+    return {k: jnp.swapaxes(w[:n], -1, -2).copy() if swap else w[:n] for k, w in stacked.items()}
+
+
+def requested_buffers() -> str:
+    """The layer buffers ``JSPEC_LAYER_BUFFERS`` asks for: "auto" when unset."""
+    value = os.environ.get(BUFFERS_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", *LAYER_BUFFERS):
+        raise ValueError(f"{BUFFERS_ENV}={value!r}: expected one of auto, "
+                         f"{', '.join(LAYER_BUFFERS)}")
+    return value
+
+
+def _forced(want: str, env: str, sharded: str, what: str, tensor_parallel_size: int
+            ) -> str | None:
+    """The choice made without measuring: what tensor parallelism shards (``sharded``, with
+    ``what`` naming it; another one asked for by ``env`` is refused), or what ``env`` forces;
+    None where the measurement decides."""
+    if tensor_parallel_size > 1:
+        if want not in ("auto", sharded):
+            raise ValueError(f"{env}={want}: tensor parallelism shards {what}; unset it or use "
+                             f"tensor_parallel_size=1")
+        return sharded
+    return None if want == "auto" else want
+
+
+def _cached(kind: str, key: dict, choices: tuple[str, ...], decide):
+    """(choice, seconds measured or None): the answer cached for this host, jax version and
+    ``key`` under ``<cache>/<kind>/``, else ``decide() -> (choice, seconds)``, cached."""
+    import jax
+
     from jspec.autoprofile import cache_enabled, host_signature
     from jspec.default_models import cache_dir
 
-    key = json.dumps({"host": host_signature(), "jax": jax.__version__, "dtype": dtype_name,
-                      "shapes": {k: list(w.shape) for k, w in weights.items()},
-                      "rows": PROBE_ROWS}, sort_keys=True)
+    key = json.dumps({"host": host_signature(), "jax": jax.__version__, **key}, sort_keys=True)
     use_cache = cache_enabled()
-    path = (cache_dir() / "weight_layout"
-            / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
+    path = cache_dir() / kind / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if use_cache and path.exists():
         try:
-            layout = json.loads(path.read_text())["layout"]
-            if layout in WEIGHT_LAYOUTS:
-                return layout
+            choice = json.loads(path.read_text())["choice"]
+            if choice in choices:
+                return choice, None
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged entry: measure again and overwrite it
-    times = measure(weights)
-    layout = "out_in" if times["out_in"] <= MARGIN * times["in_out"] else "in_out"
+    choice, seconds = decide()
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": json.loads(key), "layout": layout,
-                                       "seconds": times}))
+            tmp.write_text(json.dumps({"key": json.loads(key), "choice": choice,
+                                       "seconds": seconds}))
             os.replace(tmp, path)
         except OSError:  # a read-only cache directory: measured again next time
             pass
-    print(f"jspec: weight layout {layout!r} on this CPU (one layer's projections and the "
-          f"output head, {dtype_name}, at {', '.join(map(str, PROBE_ROWS))} rows: in_out "
-          f"{times['in_out'] * 1e3:.2f} ms, out_in {times['out_in'] * 1e3:.2f} ms; {ENV} "
-          f"overrides)", file=log or sys.stderr, flush=True)
-    return layout
+    return choice, seconds
 
 
 def probe_weights(params: dict) -> dict:
@@ -121,21 +221,75 @@ def measure(weights: dict) -> dict[str, float]:
 
     fns = {layout: jax.jit(functools.partial(project, layout=layout))
            for layout in WEIGHT_LAYOUTS}
-    cases = []  # (layout, name, rows, x, w)
+    cases = []  # (layout, call)
     key = jax.random.PRNGKey(0)
-    for name, w in weights.items():
+    for w in weights.values():
         laid = {"in_out": w, "out_in": jnp.swapaxes(w, 0, 1).copy()}
         for rows in PROBE_ROWS:
             x = jax.random.normal(jax.random.fold_in(key, rows), (rows, w.shape[0]),
                                   jnp.float32).astype(w.dtype)
-            cases += [(layout, name, rows, x, laid[layout]) for layout in fns]
-    for layout, _, _, x, w in cases:  # compile and warm up
-        fns[layout](x, w).block_until_ready()
+            cases += [(layout, functools.partial(fn, x, laid[layout]))
+                      for layout, fn in fns.items()]
+    return _fastest(cases)
+
+
+def _fastest(cases: list) -> dict[str, float]:
+    """Seconds per label of ``cases`` ((label, call) pairs; ``call()`` returns a jax array),
+    each case the fastest of ``ROUNDS`` interleaved calls after a warm-up, summed per label."""
+    for _, call in cases:  # compile and warm up
+        call().block_until_ready()
     best = [float("inf")] * len(cases)
     for _ in range(ROUNDS):
-        for i, (layout, _, _, x, w) in enumerate(cases):
+        for i, (_, call) in enumerate(cases):
             t = time.perf_counter()
-            fns[layout](x, w).block_until_ready()
+            call().block_until_ready()
             best[i] = min(best[i], time.perf_counter() - t)
-    return {layout: sum(b for b, case in zip(best, cases) if case[0] == layout)
-            for layout in fns}
+    totals: dict[str, float] = {}
+    for (label, _), b in zip(cases, best):
+        totals[label] = totals.get(label, 0.0) + b
+    return totals
+
+
+def measure_buffers(layers: dict, cfg: ModelConfig, layout: str) -> dict[str, float]:
+    """Seconds of a chain through the layers' projections (``layers``: the stacked projection
+    weights of some of ``cfg``'s layers, laid out as ``layout`` says) at each of
+    ``BUFFER_ROWS`` rows, summed, the fastest of ``ROUNDS`` interleaved calls each, with the
+    weights stacked and in a buffer per layer, run by the forward's own layer loop
+    (``models/transformer.over_layers``). Each projection's input is scaled by the running sum
+    of the outputs before it, so the layers run one after another."""
+    import dataclasses
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.models.params import lay_out
+    from jspec.models.transformer import over_layers, project
+
+    stacked_cfg = dataclasses.replace(cfg, num_layers=layers["wqkv"].shape[0],
+                                      weight_layout=layout, layer_buffers="stacked")
+    contract = 1 if layout == "in_out" else 2
+
+    def layer(carry, xs):
+        s, inputs = carry
+        for name in PROJECTIONS:
+            y = project(inputs[name] * s.astype(inputs[name].dtype), xs[0][name], layout)
+            s = s + 1e-3 * jnp.mean(y)
+        return (s, inputs), None
+
+    def chain(weights, inputs, cfg):
+        return over_layers(layer, (jnp.float32(1), inputs), weights, cfg)[0][0]
+
+    fns = {}
+    for buffers in LAYER_BUFFERS:
+        weights, laid_cfg = lay_out({"layers": layers, "lm_head": None}, stacked_cfg,
+                                    buffers=buffers)
+        fns[buffers] = (jax.jit(functools.partial(chain, cfg=laid_cfg)), weights["layers"])
+    key = jax.random.PRNGKey(0)
+    cases = []  # (buffers, call)
+    for rows in BUFFER_ROWS:
+        inputs = {k: jax.random.normal(jax.random.fold_in(key, rows), (rows, w.shape[contract]),
+                                       jnp.float32).astype(w.dtype) for k, w in layers.items()}
+        cases += [(buffers, functools.partial(fn, weights, inputs))
+                  for buffers, (fn, weights) in fns.items()]
+    return _fastest(cases)

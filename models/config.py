@@ -16,6 +16,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu",)
 WEIGHT_LAYOUTS = ("in_out", "out_in")
+LAYER_BUFFERS = ("stacked", "per_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +45,18 @@ class ModelConfig:
     # or "out_in" (x @ W.T, the checkpoint's layout); a property of the runtime pytree, not of
     # the architecture, chosen per machine by jspec/weight_layout.py
     weight_layout: str = "in_out"
+    # how the layers' weights are held (models/params.py): "stacked" (one [L, ...] array per
+    # weight, the forward a scan) or "per_layer" (a buffer per layer, the forward unrolled);
+    # a property of the runtime pytree, chosen per machine by jspec/weight_layout.py
+    layer_buffers: str = "stacked"
 
     def __post_init__(self):
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got "
                              f"{self.weight_layout!r}")
+        if self.layer_buffers not in LAYER_BUFFERS:
+            raise ValueError(f"layer_buffers must be one of {LAYER_BUFFERS}, got "
+                             f"{self.layer_buffers!r}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {self.model_type!r} is not supported; supported: "

@@ -135,6 +135,9 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     if cfg.weight_layout != "in_out":  # the specs below name the [in, out] axes
         raise ValueError(f"tensor parallelism shards weights laid out 'in_out', got "
                          f"{cfg.weight_layout!r}")
+    if cfg.layer_buffers != "stacked":  # the specs below name the stacked [L, ...] arrays
+        raise ValueError(f"tensor parallelism shards stacked layer weights, got "
+                         f"{cfg.layer_buffers!r}")
     host = jax.tree_util.tree_map(np.asarray, params)
     specs = param_specs(cfg, tp)
     return jax.tree_util.tree_map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)),

@@ -234,6 +234,21 @@ def forward(
                          out_specs=out_specs, check_vma=False)(params, kv, batch)
 
 
+def over_layers(layer, carry, layers, cfg: ModelConfig):
+    """``layer(carry, (layer_params, index)) -> (carry, y)`` over the model's layers, as
+    ``jax.lax.scan`` returns it (the ys stacked, or None). Stacked weights run as a scan (one
+    compiled layer body); per-layer buffers (``cfg.layer_buffers``, models/params.py) run
+    unrolled with a static index, each layer reading its own weights where they lie, where the
+    scan copies each layer's slice out of the stacked arrays first."""
+    if cfg.layer_buffers == "stacked":
+        return jax.lax.scan(layer, carry, (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    ys = []
+    for i, lp in enumerate(layers):
+        carry, y = layer(carry, (lp, i))
+        ys.append(y)
+    return carry, None if ys[0] is None else jnp.stack(ys)
+
+
 def token_slots(md: AttentionMetadata, num_tokens: int, block_size: int
                 ) -> tuple[jax.Array, jax.Array]:
     """(block, offset) [T] of every flat token's position in a paged pool, through the page
@@ -298,10 +313,8 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
         x = decoder_layer(lp, x, cos, sin, attend, cfg=cfg, reduce=reduce)
         return (x, k_pool, v_pool, aux), None
 
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     aux = jnp.zeros((len(aux_layers), num_tokens, x.shape[-1]), x.dtype)
-    (x, k_pool, v_pool, aux), _ = jax.lax.scan(layer, (x, kv.k, kv.v, aux),
-                                               (params["layers"], layer_ids))
+    (x, k_pool, v_pool, aux), _ = over_layers(layer, (x, kv.k, kv.v, aux), params["layers"], cfg)
     h_pool = kv.h
     if aux_layers:
         captured = jnp.transpose(aux, (1, 0, 2)).reshape(num_tokens, -1)
@@ -344,9 +357,10 @@ def dense_forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig,
     cos, sin = rope_tables(jnp.arange(tokens.shape[-1]), cfg)
     attend = lambda q, k, v: dense_attention(q, k, v, cfg)
     # each layer's input stacked [L, T, hidden] only when a head needs some of them
-    x, inputs = jax.lax.scan(
-        lambda x, lp: (decoder_layer(lp, x, cos, sin, attend, cfg=cfg), x if aux_layers else None),
-        x, params["layers"])
+    x, inputs = over_layers(
+        lambda x, xs: (decoder_layer(xs[0], x, cos, sin, attend, cfg=cfg),
+                       x if aux_layers else None),
+        x, params["layers"], cfg)
     logits, hidden = lm_head(params, x, cfg)
     out = (logits, hidden) if return_hidden else (logits,)
     if aux_layers:

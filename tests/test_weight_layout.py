@@ -1,6 +1,6 @@
-"""Weight layouts (models/params.py ``with_weight_layout``) and the per-machine choice between them
-(jspec/weight_layout.py). The rest of the suite runs the layout tests/conftest.py names; these
-tests run the other one through the engine and check the choice itself."""
+"""Weight layouts and layer buffers (models/params.py ``lay_out``) and the per-machine choice
+between them (jspec/weight_layout.py). The rest of the suite runs what tests/conftest.py names;
+these tests run the others through the forward and the engine and check the choice itself."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import make_engine, run_to_completion
 from jspec import weight_layout
-from jspec.models.params import init_params, with_weight_layout
+from jspec.models.params import init_params, lay_out
 from jspec.models.tiny import tiny_config
 from jspec.runner import LoadedModel
 from jspec.sampling_params import SamplingParams
@@ -25,20 +25,20 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 def test_conversion_swaps_the_projections_and_shares_a_tied_head():
     cfg = tiny_config("llama", vocab_size=256, tie_word_embeddings=True)
     params = init_params(cfg, seed=0)
-    out, out_cfg = with_weight_layout(params, cfg, "out_in")
+    out, out_cfg = lay_out(params, cfg, "out_in")
     assert out_cfg.weight_layout == "out_in" and cfg.weight_layout == "in_out"
     for name in weight_layout.PROJECTIONS:
         np.testing.assert_array_equal(out["layers"][name],
                                       np.swapaxes(params["layers"][name], -1, -2))
     assert out["lm_head"] is out["embed"]  # no second copy of a tied head
     np.testing.assert_array_equal(out["layers"]["attn_norm"], params["layers"]["attn_norm"])
-    back, back_cfg = with_weight_layout(out, out_cfg, "in_out")
+    back, back_cfg = lay_out(out, out_cfg, "in_out")
     assert back_cfg == cfg
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(a, b)
-    assert with_weight_layout(params, cfg, "in_out")[0] is params
+    assert lay_out(params, cfg, "in_out")[0] is params
     with pytest.raises(ValueError, match="weight layout must be one of"):
-        with_weight_layout(params, cfg, "column")
+        lay_out(params, cfg, "column")
 
 
 def _cast(m: LoadedModel, dtype) -> LoadedModel:
@@ -152,7 +152,144 @@ def test_tensor_parallel_sharding_refuses_the_other_layout(probe_params):
     from jspec.models import sharding
 
     cfg, params = probe_params
-    params, cfg = with_weight_layout(params, cfg, "out_in")
+    params, cfg = lay_out(params, cfg, "out_in")
     mesh = types.SimpleNamespace(size=2)  # refused before any device is touched
     with pytest.raises(ValueError, match="shards weights laid out 'in_out', got 'out_in'"):
         sharding.shard_params(params, cfg, mesh)
+
+
+def test_per_layer_buffers_hold_the_same_weights_in_either_layout():
+    cfg = tiny_config("llama", vocab_size=256, tie_word_embeddings=True)
+    params = init_params(cfg, seed=0)
+    split, split_cfg = lay_out(params, cfg, buffers="per_layer")
+    assert (split_cfg.layer_buffers, split_cfg.weight_layout) == ("per_layer", "in_out")
+    assert isinstance(split["layers"], tuple) and len(split["layers"]) == cfg.num_layers
+    for i, lp in enumerate(split["layers"]):
+        for name, w in lp.items():
+            np.testing.assert_array_equal(w, params["layers"][name][i])
+    # layout and buffers converted together, and back in two steps
+    both, both_cfg = lay_out(params, cfg, "out_in", "per_layer")
+    for i, lp in enumerate(both["layers"]):
+        np.testing.assert_array_equal(lp["w_down"], params["layers"]["w_down"][i].T)
+    assert both["lm_head"] is both["embed"]
+    back, back_cfg = lay_out(*lay_out(both, both_cfg, "in_out"), buffers="stacked")
+    assert back_cfg == cfg
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="layer buffers must be one of"):
+        lay_out(params, cfg, buffers="flat")
+
+
+def test_per_layer_buffers_compute_the_same_forward():
+    """The unrolled forward over per-layer buffers gives the scan's logits, pool and captured
+    hidden states (fp32), paged and dense: to rounding, as XLA compiles the unrolled program's
+    fusions apart from the scan's."""
+    from jspec.models.transformer import KVCache, dense_forward, forward
+    from jspec.bench.model_step import make_batch
+
+    cfg = tiny_config("llama", vocab_size=256)
+    batch, num_blocks = make_batch(3, 2, 20, 8)
+    aux = (0, cfg.num_layers - 1)
+    for layout in ("in_out", "out_in"):
+        params, laid_cfg = lay_out(init_params(cfg, seed=1), cfg, layout)
+        split, split_cfg = lay_out(params, laid_cfg, buffers="per_layer")
+        outs = []
+        for p, c in ((params, laid_cfg), (split, split_cfg)):
+            kv = KVCache.create(c, num_blocks, 8, jnp.float32,
+                                hidden_width=len(aux) * c.hidden_size)
+            logits, kv = jax.jit(forward, static_argnames=("cfg", "aux_layers"))(
+                p, kv, batch, cfg=c, aux_layers=aux)
+            dense = dense_forward(p, jnp.arange(9), cfg=c, aux_layers=aux)
+            outs.append((logits, kv.k, kv.v, kv.h, *dense))
+        for a, b in zip(*outs):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_decodes_the_same_with_per_layer_buffers(engine_models, bf16_models,
+                                                              ten_prompts, greedy_reference,
+                                                              mixed_prompts, monkeypatch):
+    """fp32 greedy decoding with the target's buffers per layer reproduces the suite's
+    reference; in bf16 (laid out 'out_in' too) speculative decoding gives what plain decoding
+    gives each prompt."""
+    monkeypatch.setenv(weight_layout.BUFFERS_ENV, "per_layer")
+    engine = make_engine(engine_models[0], None)
+    assert engine.target.cfg.layer_buffers == "per_layer"
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = run_to_completion(engine, ten_prompts, greedy)
+    assert [outs[str(i)].token_ids for i in range(len(ten_prompts))] == greedy_reference
+    monkeypatch.setenv(weight_layout.ENV, "out_in")
+    target, draft = bf16_models
+    prompts = mixed_prompts[:4]
+    plain = make_engine(target, None, dtype="bfloat16")
+    alone = [run_to_completion(plain, [p], GREEDY)["0"].token_ids for p in prompts]
+    spec = make_engine(target, draft, policy_options=(("gamma", 3),), dtype="bfloat16")
+    assert spec.runner.pool[0].cfg.layer_buffers == "stacked"  # the draft loop's: stacked
+    assert spec.limits.layer_buffers == "per_layer"
+    outs = run_to_completion(spec, prompts, GREEDY)
+    assert [outs[str(i)].token_ids for i in range(len(prompts))] == alone
+
+
+def test_the_buffer_choice_measures_once_and_keeps_stacked_without_a_clear_win(
+        probe_params, monkeypatch, tmp_path, capsys):
+    cfg, params = probe_params
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv(weight_layout.BUFFERS_ENV, "auto")
+    calls = []
+
+    def fake(seconds):
+        def measure(layers, cfg, layout):
+            calls.append((sorted(layers), layout, layers["wo"].shape))
+            return seconds
+        return measure
+
+    monkeypatch.setattr(weight_layout, "measure_buffers",
+                        fake({"stacked": 1.0, "per_layer": 0.93}))  # inside the margin
+    assert weight_layout.choose_buffers(cfg, params, "out_in") == "stacked"
+    # probed laid out as asked: [L, out, in]
+    assert calls == [(sorted(weight_layout.PROJECTIONS), "out_in",
+                      (cfg.num_layers, cfg.hidden_size, cfg.q_size))]
+    assert "layer weights 'stacked'" in capsys.readouterr().err
+    assert weight_layout.choose_buffers(cfg, params, "out_in") == "stacked"
+    assert len(calls) == 1  # cached
+    assert weight_layout.choose_buffers(cfg, params, "in_out") == "stacked"
+    assert len(calls) == 2  # another layout is another entry
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(weight_layout, "measure_buffers",
+                        fake({"stacked": 1.0, "per_layer": 0.7}))
+    assert weight_layout.choose_buffers(cfg, params, "out_in") == "per_layer"
+
+
+def test_the_buffer_probe_runs_the_first_layers_that_hold_its_bytes(probe_params, monkeypatch):
+    cfg, params = probe_params
+    layers = weight_layout.probe_layers(params, cfg, "in_out")
+    assert layers["wqkv"].shape[0] == cfg.num_layers  # a small model: every layer
+    seconds = weight_layout.measure_buffers(layers, cfg, "in_out")
+    assert set(seconds) == {"stacked", "per_layer"} and min(seconds.values()) > 0
+    one_layer = sum(params["layers"][k][0].nbytes for k in weight_layout.PROJECTIONS)
+    monkeypatch.setattr(weight_layout, "PROBE_BYTES", one_layer + 1)
+    layers = weight_layout.probe_layers(params, cfg, "out_in")
+    assert layers["wo"].shape == (2, cfg.hidden_size, cfg.q_size)
+    np.testing.assert_array_equal(layers["wo"][1], params["layers"]["wo"][1].T)
+
+
+def test_the_buffer_override_and_what_keeps_stacked(probe_params, monkeypatch):
+    from jspec.models import sharding
+
+    cfg, params = probe_params
+    monkeypatch.setattr(weight_layout, "measure_buffers", lambda *a: pytest.fail("measured"))
+    for buffers in ("stacked", "per_layer"):
+        monkeypatch.setenv(weight_layout.BUFFERS_ENV, buffers)
+        assert weight_layout.choose_buffers(cfg, params, "in_out") == buffers
+    monkeypatch.setenv(weight_layout.BUFFERS_ENV, "auto")
+    assert weight_layout.choose_buffers(cfg, params, "in_out", tensor_parallel_size=2) == "stacked"
+    split, split_cfg = lay_out(params, cfg, buffers="per_layer")
+    assert weight_layout.choose_buffers(split_cfg, split, "in_out") == "per_layer"
+    monkeypatch.setenv(weight_layout.BUFFERS_ENV, "per_layer")
+    with pytest.raises(ValueError, match="JSPEC_LAYER_BUFFERS=per_layer: tensor parallelism"):
+        weight_layout.choose_buffers(cfg, params, "in_out", tensor_parallel_size=2)
+    monkeypatch.setenv(weight_layout.BUFFERS_ENV, "rows")
+    with pytest.raises(ValueError, match="JSPEC_LAYER_BUFFERS='rows': expected one of auto, "
+                                         "stacked, per_layer"):
+        weight_layout.choose_buffers(cfg, params, "in_out")
+    with pytest.raises(ValueError, match="shards stacked layer weights, got 'per_layer'"):
+        sharding.shard_params(split, split_cfg, types.SimpleNamespace(size=2))

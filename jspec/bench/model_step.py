@@ -304,14 +304,17 @@ def _print_setup(args: argparse.Namespace, configs: dict) -> None:
           f"cost ratio target/draft = {flops_ratio:.1f}x in params (FLOPs and bytes per token)")
 
 
-def _laid_out(cfg, params, mesh):
-    """``params`` (laid out "in_out") and ``cfg`` in the weight layout an engine would run on
-    this machine (jspec/weight_layout.py)."""
-    from jspec.models.params import with_weight_layout
-    from jspec.weight_layout import choose
+def _laid_out(cfg, params, mesh, model: str):
+    """``params`` (laid out "in_out", stacked) and ``cfg`` in the weight layout and layer buffers
+    an engine would run ``model`` ("target" or "draft") in on this machine
+    (jspec/engine_setup.py ``lay_out_weights``: a draft model's layers stay stacked)."""
+    from jspec.models.params import lay_out
+    from jspec.weight_layout import choose, choose_buffers
 
-    return with_weight_layout(params, cfg, choose(cfg, params,
-                                                  1 if mesh is None else mesh.size))
+    tp = 1 if mesh is None else mesh.size
+    layout = choose(cfg, params, tp)
+    buffers = choose_buffers(cfg, params, layout, tp) if model == "target" else "stacked"
+    return lay_out(params, cfg, layout, buffers)
 
 
 def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
@@ -323,7 +326,7 @@ def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
     dtype_name, model = which
     dtype = jnp.dtype(DTYPES[dtype_name])
     base_cfg = cfg
-    params, cfg = _laid_out(cfg, random_params(cfg, dtype), mesh)
+    params, cfg = _laid_out(cfg, random_params(cfg, dtype), mesh, model)
     weight_bytes = weight_bytes_per_step(params)
     results, timer = time_grid(cfg, params, dtype, args, mesh, shard=model == "target")
     run = {"dtype": dtype_name, "model": model, "config": cfg,
@@ -337,10 +340,10 @@ def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
         print(line)
     _print_observations(results, args, weight_bytes, bandwidth)
     if args.batch_invariant and model == "target":
-        from jspec.models.params import with_weight_layout
+        from jspec.models.params import lay_out
 
-        params, laid_cfg = with_weight_layout(random_params(base_cfg, dtype), base_cfg,
-                                              cfg.weight_layout)
+        params, laid_cfg = lay_out(random_params(base_cfg, dtype), base_cfg, cfg.weight_layout,
+                                   cfg.layer_buffers)
         ratios = time_invariance_cost(laid_cfg, params, dtype, args, mesh)
         run["batch_invariant_ratio"] = ratios
         print("  batch-invariant numerics: time / default time")
