@@ -53,12 +53,11 @@ BUFFER_MARGIN = 0.9
 PROBE_BYTES = 128 << 20  # layer weights the buffer probe runs through, at most (probe_layers)
 
 
-def requested() -> str:
-    """The layout ``JSPEC_WEIGHT_LAYOUT`` asks for: "auto" when unset."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", *WEIGHT_LAYOUTS):
-        raise ValueError(f"{ENV}={value!r}: expected one of auto, "
-                         f"{', '.join(WEIGHT_LAYOUTS)}")
+def requested(env: str = ENV, choices: tuple[str, ...] = WEIGHT_LAYOUTS) -> str:
+    """What ``env`` asks for (``JSPEC_WEIGHT_LAYOUT`` by default): "auto" when unset."""
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    if value not in ("auto", *choices):
+        raise ValueError(f"{env}={value!r}: expected one of auto, {', '.join(choices)}")
     return value
 
 
@@ -102,28 +101,28 @@ def choose_buffers(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_
     import jax
     import numpy as np
 
-    forced = _forced(requested_buffers(), BUFFERS_ENV, "stacked", "stacked layer weights",
-                     tensor_parallel_size)
+    forced = _forced(requested(BUFFERS_ENV, LAYER_BUFFERS), BUFFERS_ENV, "stacked",
+                     "stacked layer weights", tensor_parallel_size)
     if forced:
         return forced
     if cfg.layer_buffers != "stacked":  # held per layer already: kept
         return cfg.layer_buffers
     if jax.default_backend() != "cpu":
         return "stacked"
-    layers = probe_layers(params, cfg, layout)
-    dtype_name = str(np.dtype(layers["w_gate_up"].dtype))
-    key = {"dtype": dtype_name, "rows": BUFFER_ROWS, "layout": layout,
-           "shapes": {k: list(w.shape) for k, w in layers.items()}}
+    stacked = {name: params["layers"][name] for name in PROJECTIONS}
+    dtype_name = str(np.dtype(stacked["w_gate_up"].dtype))
+    num_probed = probe_layer_count(params, cfg)
+    key = {"dtype": dtype_name, "rows": BUFFER_ROWS, "layout": layout, "layers": num_probed,
+           "shapes": {k: list(w.shape) for k, w in stacked.items()}}
 
     def decide():
-        times = measure_buffers(layers, cfg, layout)
+        times = measure_buffers(probe_layers(params, cfg, layout), cfg, layout)
         per_layer = times["per_layer"] <= BUFFER_MARGIN * times["stacked"]
         return ("per_layer" if per_layer else "stacked"), times
 
     buffers, times = _cached("layer_buffers", key, LAYER_BUFFERS, decide)
-    del layers
     if times is not None:
-        print(f"jspec: layer weights {buffers!r} on this CPU ({key['shapes']['wqkv'][0]} of "
+        print(f"jspec: layer weights {buffers!r} on this CPU ({num_probed} of "
               f"{cfg.num_layers} layers' projections, {dtype_name}, at "
               f"{', '.join(map(str, BUFFER_ROWS))} rows: stacked {times['stacked'] * 1e3:.2f} ms, "
               f"per_layer {times['per_layer'] * 1e3:.2f} ms; {BUFFERS_ENV} overrides)",
@@ -139,19 +138,16 @@ def probe_layers(params: dict, cfg: ModelConfig, layout: str) -> dict:
     import jax.numpy as jnp
 
     stacked = {name: params["layers"][name] for name in PROJECTIONS}
-    per_layer = sum(w.nbytes // w.shape[0] for w in stacked.values())
-    n = min(cfg.num_layers, max(1, -(-PROBE_BYTES // per_layer)))
+    n = probe_layer_count(params, cfg)
     swap = layout != cfg.weight_layout
     return {k: jnp.swapaxes(w[:n], -1, -2).copy() if swap else w[:n] for k, w in stacked.items()}
 
 
-def requested_buffers() -> str:
-    """The layer buffers ``JSPEC_LAYER_BUFFERS`` asks for: "auto" when unset."""
-    value = os.environ.get(BUFFERS_ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", *LAYER_BUFFERS):
-        raise ValueError(f"{BUFFERS_ENV}={value!r}: expected one of auto, "
-                         f"{', '.join(LAYER_BUFFERS)}")
-    return value
+def probe_layer_count(params: dict, cfg: ModelConfig) -> int:
+    """How many of the model's first layers hold ``PROBE_BYTES`` of projection weights (all of
+    a smaller model)."""
+    per_layer = sum(params["layers"][name].nbytes // cfg.num_layers for name in PROJECTIONS)
+    return min(cfg.num_layers, max(1, -(-PROBE_BYTES // per_layer)))
 
 
 def _forced(want: str, env: str, sharded: str, what: str, tensor_parallel_size: int
