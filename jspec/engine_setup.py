@@ -14,14 +14,13 @@ from jspec.elastic import ElasticMemory, extension_blocks, tree_bytes
 from jspec.platform import device_free_bytes
 from jspec.runner import LoadedModel
 from jspec.scheduler import Scheduler, SchedulerConfig
-from jspec.models.params import lay_out
 from jspec.models.sharding import check_shardable
 from jspec.models.transformer import KVCache
 from jspec.policies import Policy, make_policy
 from jspec.policies.profile import StepProfile, model_signature
 from jspec.policies.static import OffPolicy
 from jspec.weight_layout import choose as choose_layout
-from jspec.weight_layout import choose_buffers
+from jspec.weight_layout import laid_out
 
 
 def draft_pool(target: LoadedModel, draft) -> list[LoadedModel]:
@@ -57,15 +56,13 @@ def lay_out_weights(config: EngineConfig, target: LoadedModel, pool: list[Loaded
     tp = config.tensor_parallel_size
     layout = choose_layout(target.cfg, target.params, tp)
 
-    def converted(m: LoadedModel, buffers: str) -> LoadedModel:
-        if m.eagle is not None or (layout, buffers) == (m.cfg.weight_layout,
-                                                        m.cfg.layer_buffers):
+    def converted(m: LoadedModel, drafts: bool) -> LoadedModel:
+        if m.eagle is not None:
             return m
-        params, cfg = lay_out(m.params, m.cfg, layout, buffers)
-        return dataclasses.replace(m, cfg=cfg, params=params)
+        params, cfg = laid_out(m.cfg, m.params, layout, tp, drafts)
+        return m if cfg == m.cfg else dataclasses.replace(m, cfg=cfg, params=params)
 
-    return (converted(target, choose_buffers(target.cfg, target.params, layout, tp)),
-            [converted(m, "stacked") for m in pool])
+    return converted(target, False), [converted(m, True) for m in pool]
 
 
 def check_lookup(config: EngineConfig, pool: list[LoadedModel]) -> tuple[str, ...]:

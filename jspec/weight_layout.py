@@ -130,6 +130,18 @@ def choose_buffers(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_
     return buffers
 
 
+def laid_out(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_size: int = 1,
+             drafts: bool = False) -> tuple[dict, ModelConfig]:
+    """``params`` and ``cfg`` laid out as ``layout`` with the layer buffers an engine holds the
+    model in: measured for the target (``choose_buffers``), stacked for a draft model (its
+    forward runs inside the draft loop's ``while_loop``, where per-layer buffers measured
+    slower: docs/benchmarks.md, "Layer buffers")."""
+    from jspec.models.params import lay_out
+
+    buffers = "stacked" if drafts else choose_buffers(cfg, params, layout, tensor_parallel_size)
+    return lay_out(params, cfg, layout, buffers)
+
+
 def probe_layers(params: dict, cfg: ModelConfig, layout: str) -> dict:
     """The stacked projection weights the buffer probe runs through, laid out as ``layout``:
     the first layers, as many as hold ``PROBE_BYTES`` (all of a smaller model): enough that they

@@ -308,13 +308,10 @@ def _laid_out(cfg, params, mesh, model: str):
     """``params`` (laid out "in_out", stacked) and ``cfg`` in the weight layout and layer buffers
     an engine would run ``model`` ("target" or "draft") in on this machine
     (jspec/engine_setup.py ``lay_out_weights``: a draft model's layers stay stacked)."""
-    from jspec.models.params import lay_out
-    from jspec.weight_layout import choose, choose_buffers
+    from jspec.weight_layout import choose, laid_out
 
     tp = 1 if mesh is None else mesh.size
-    layout = choose(cfg, params, tp)
-    buffers = choose_buffers(cfg, params, layout, tp) if model == "target" else "stacked"
-    return lay_out(params, cfg, layout, buffers)
+    return laid_out(cfg, params, choose(cfg, params, tp), tp, drafts=model != "target")
 
 
 def _time_model(args: argparse.Namespace, cfg, which: tuple[str, str], mesh,
