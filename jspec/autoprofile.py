@@ -109,6 +109,7 @@ def cache_key(engine) -> str:
         "target": model_signature(engine.target.cfg),
         "weight_layout": engine.target.cfg.weight_layout,
         "layer_buffers": engine.target.cfg.layer_buffers,
+        "min_dot_rows": [engine.target.cfg.min_dot_rows, engine.draft.cfg.min_dot_rows],
         "draft": model_signature(engine.draft.cfg),
         "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
         "host": host_signature(),

@@ -24,10 +24,21 @@ first layers (as many as hold ``PROBE_BYTES``, so that they leave the caches as 
 would) both ways at 2 and 16 rows and takes per-layer buffers where they take at most 0.9 of
 the stacked time; cached like the layout. Draft models stay stacked (engine_setup.py).
 
-``JSPEC_WEIGHT_LAYOUT`` = ``in_out`` / ``out_in`` forces a layout and ``JSPEC_LAYER_BUFFERS`` =
-``stacked`` / ``per_layer`` the target's layer buffers (``auto``, the default, measures).
-Accelerators and tensor parallelism keep ``in_out`` and stacked layers: that is what the
-sharding rules name, and nothing has measured the others on a GPU or TPU.
+A product of one row (one sequence decoding, or drafting, alone) can take another path than
+one of several rows: on a 2-vCPU Intel Xeon with AMX, XLA:CPU widens bf16 weights to float32
+for a one-row product and multiplies a chain of [384, 1920] and [1920, 384] bf16 weights
+2.2-2.7x faster with the row padded to two (float32 there: 1.0-1.9x slower padded). ``choose_min_rows`` times
+each model's first layer's projections and output head at one row, as it is and padded to two,
+and pads (``ModelConfig.min_dot_rows`` = 2, models/transformer.py ``project``) where that takes
+at most ``MARGIN`` of the one-row time; cached like the layout. The target's batch-invariant
+mode pads its products to four rows anyway (``jspec.kernels.batch_invariance``), so this counts
+for the draft models' loop and for a target run without it.
+
+``JSPEC_WEIGHT_LAYOUT`` = ``in_out`` / ``out_in`` forces a layout, ``JSPEC_LAYER_BUFFERS`` =
+``stacked`` / ``per_layer`` the target's layer buffers and ``JSPEC_DOT_ROWS`` = ``1`` / ``2``
+the row floor (``auto``, the default, measures). Accelerators and tensor parallelism keep
+``in_out`` and stacked layers: that is what the sharding rules name, and nothing has measured
+the others on a GPU or TPU; accelerators multiply single rows as they are.
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ BUFFER_ROWS = (2, 16)
 # "per_layer" must take at most this share of "stacked"'s time: it compiles every layer apart
 BUFFER_MARGIN = 0.9
 PROBE_BYTES = 128 << 20  # layer weights the buffer probe runs through, at most (probe_layers)
+ROWS_ENV = "JSPEC_DOT_ROWS"
+DOT_ROWS = ("1", "2")  # the row floors choose_min_rows picks from
 
 
 def requested(env: str = ENV, choices: tuple[str, ...] = WEIGHT_LAYOUTS) -> str:
@@ -130,16 +143,88 @@ def choose_buffers(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_
     return buffers
 
 
+def choose_min_rows(cfg: ModelConfig, params: dict, log=None) -> int:
+    """The row floor of the model ``cfg`` and ``params`` describe (``ModelConfig.min_dot_rows``):
+    2 where its first layer's projections and output head, laid out as ``cfg`` says, multiply
+    one row padded to two in at most ``MARGIN`` of the one-row time, else 1 (module
+    docstring)."""
+    import jax
+    import numpy as np
+
+    want = requested(ROWS_ENV, DOT_ROWS)
+    if want != "auto":
+        return int(want)
+    if cfg.min_dot_rows != 1:  # chosen already: kept
+        return cfg.min_dot_rows
+    if jax.default_backend() != "cpu":
+        return 1
+    weights = first_layer_weights(params, cfg)
+    dtype_name = str(np.dtype(weights["w_gate_up"].dtype))
+    key = {"dtype": dtype_name, "layout": cfg.weight_layout,
+           "shapes": {k: list(w.shape) for k, w in weights.items()}}
+
+    def decide():
+        times = measure_rows(weights, cfg.weight_layout)
+        return ("2" if times["2"] <= MARGIN * times["1"] else "1"), times
+
+    rows, times = _cached("dot_rows", key, DOT_ROWS, decide)
+    if times is not None:
+        print(f"jspec: dot rows {rows} on this CPU (the first layer's projections and the "
+              f"output head of a {cfg.hidden_size}-wide model, {dtype_name}, one row: as it is "
+              f"{times['1'] * 1e3:.2f} ms, padded to two {times['2'] * 1e3:.2f} ms; {ROWS_ENV} "
+              f"overrides)", file=log or sys.stderr, flush=True)
+    return int(rows)
+
+
+def first_layer_weights(params: dict, cfg: ModelConfig) -> dict:
+    """The first layer's projection weights and the output head (its first ``HEAD_COLUMNS``
+    vocabulary entries) of ``params``, laid out and held as ``cfg`` says."""
+    layers = params["layers"]
+    first = layers[0] if cfg.layer_buffers == "per_layer" else {
+        name: layers[name][0] for name in PROJECTIONS}
+    head = params["lm_head"]
+    head = head[:, :HEAD_COLUMNS] if cfg.weight_layout == "in_out" else head[:HEAD_COLUMNS]
+    return {**{name: first[name] for name in PROJECTIONS}, "lm_head": head}
+
+
+def measure_rows(weights: dict, layout: str) -> dict[str, float]:
+    """Seconds of the model's own product (``models/transformer.project``) of one row by every
+    weight of ``weights`` (laid out as ``layout`` says), summed, the fastest of ``ROUNDS``
+    interleaved calls each: as it is ("1") and padded to two rows ("2")."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.models.transformer import project
+
+    fns = {rows: jax.jit(functools.partial(project, layout=layout, min_rows=int(rows)))
+           for rows in DOT_ROWS}
+    contract = 0 if layout == "in_out" else 1
+    cases = []  # (rows, call)
+    for i, w in enumerate(weights.values()):
+        x = jax.random.normal(jax.random.PRNGKey(i), (1, w.shape[contract]),
+                              jnp.float32).astype(w.dtype)
+        cases += [(rows, functools.partial(fn, x, w)) for rows, fn in fns.items()]
+    return _fastest(cases)
+
+
 def laid_out(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_size: int = 1,
              drafts: bool = False) -> tuple[dict, ModelConfig]:
     """``params`` and ``cfg`` laid out as ``layout`` with the layer buffers an engine holds the
     model in: measured for the target (``choose_buffers``), stacked for a draft model (its
     forward runs inside the draft loop's ``while_loop``, where per-layer buffers measured
-    slower: docs/benchmarks.md, "Layer buffers")."""
+    slower: docs/benchmarks.md, "Layer buffers"); and the row floor this machine multiplies
+    the model's weights fastest with (``choose_min_rows``)."""
+    import dataclasses
+
     from jspec.models.params import lay_out
 
     buffers = "stacked" if drafts else choose_buffers(cfg, params, layout, tensor_parallel_size)
-    return lay_out(params, cfg, layout, buffers)
+    params, cfg = lay_out(params, cfg, layout, buffers)
+    rows = choose_min_rows(cfg, params)
+    return params, cfg if rows == cfg.min_dot_rows else dataclasses.replace(cfg,
+                                                                             min_dot_rows=rows)
 
 
 def probe_layers(params: dict, cfg: ModelConfig, layout: str) -> dict:

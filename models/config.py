@@ -49,6 +49,10 @@ class ModelConfig:
     # weight, the forward a scan) or "per_layer" (a buffer per layer, the forward unrolled);
     # a property of the runtime pytree, chosen per machine by jspec/weight_layout.py
     layer_buffers: str = "stacked"
+    # the fewest rows a projection multiplies: a product over fewer rows (one decoding sequence)
+    # is padded to this many; 2 where a CPU multiplies two rows faster than one (its one-row
+    # path widens bf16 weights first). Chosen per machine by jspec/weight_layout.py
+    min_dot_rows: int = 1
 
     def __post_init__(self):
         if self.weight_layout not in WEIGHT_LAYOUTS:
@@ -57,6 +61,9 @@ class ModelConfig:
         if self.layer_buffers not in LAYER_BUFFERS:
             raise ValueError(f"layer_buffers must be one of {LAYER_BUFFERS}, got "
                              f"{self.layer_buffers!r}")
+        if not isinstance(self.min_dot_rows, int) or self.min_dot_rows < 1:
+            raise ValueError(f"min_dot_rows must be a positive integer, got "
+                             f"{self.min_dot_rows!r}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {self.model_type!r} is not supported; supported: "

@@ -130,13 +130,19 @@ def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def project(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, layout: str, min_rows: int = 1) -> jax.Array:
     """``x @ W`` in float32 for a weight laid out as ``layout`` says (``ModelConfig.weight_layout``,
-    models/params.py): ``[in, out]``, or ``[out, in]`` contracted on its last axis."""
+    models/params.py): ``[in, out]``, or ``[out, in]`` contracted on its last axis. ``x``'s rows
+    (its leading axis) are zero-padded to ``min_rows`` for the product (``ModelConfig.
+    min_dot_rows``) and the padding's rows dropped from the result."""
     contract = 0 if layout == "in_out" else 1
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())),
-                               precision=dot_precision(x.dtype),
-                               preferred_element_type=jnp.float32)
+    rows = x.shape[0]
+    padded = jnp.pad(x, [(0, min_rows - rows)] + [(0, 0)] * (x.ndim - 1)) if rows < min_rows \
+        else x
+    y = jax.lax.dot_general(padded, w, (((x.ndim - 1,), (contract,)), ((), ())),
+                            precision=dot_precision(x.dtype),
+                            preferred_element_type=jnp.float32)
+    return y[:rows] if rows < min_rows else y
 
 
 def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, *,
@@ -152,7 +158,7 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
     dtype = x.dtype
     q_size, kv_size = cfg.q_size, cfg.kv_size
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = project(h, lp["wqkv"], cfg.weight_layout)
+    qkv = project(h, lp["wqkv"], cfg.weight_layout, cfg.min_dot_rows)
     if cfg.qkv_bias:
         qkv = qkv + lp["bqkv"].astype(jnp.float32)
     qkv = qkv.astype(dtype)
@@ -160,16 +166,18 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
     k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-    o = project(attn.reshape(num_tokens, q_size), lp["wo"], cfg.weight_layout)
+    o = project(attn.reshape(num_tokens, q_size), lp["wo"], cfg.weight_layout,
+                cfg.min_dot_rows)
     if reduce is not None:
         o = reduce(o)
     if cfg.o_bias:
         o = o + lp["bo"].astype(jnp.float32)
     x = x + o.astype(dtype)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = project(h, lp["w_gate_up"], cfg.weight_layout)
+    gate_up = project(h, lp["w_gate_up"], cfg.weight_layout, cfg.min_dot_rows)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    down = project((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"], cfg.weight_layout)
+    down = project((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"], cfg.weight_layout,
+                   cfg.min_dot_rows)
     if reduce is not None:
         down = reduce(down)
     return x + down.astype(dtype)
@@ -178,7 +186,7 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
 def lm_head(params: dict, hidden: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Final norm and output projection: (logits float32, normed hidden)."""
     hidden = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    logits = project(hidden, params["lm_head"], cfg.weight_layout)
+    logits = project(hidden, params["lm_head"], cfg.weight_layout, cfg.min_dot_rows)
     return logits, hidden
 
 

@@ -26,13 +26,15 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), TEST_XLA_FLAGS)))
 
-# An engine on a CPU picks its weight layout and layer buffers by timing both ways
+# An engine on a CPU picks its weight layout, layer buffers and row floor by timing both ways
 # (jspec/weight_layout.py); timings at optimization level 0 would pick at random. The suite runs
-# what is named here (JSPEC_WEIGHT_LAYOUT=out_in or JSPEC_LAYER_BUFFERS=per_layer pytest runs it
-# the other way, but for the tensor-parallel tests, which refuse those overrides);
+# what is named here (JSPEC_WEIGHT_LAYOUT=out_in, JSPEC_LAYER_BUFFERS=per_layer or
+# JSPEC_DOT_ROWS=2 pytest runs it the other way, but for the tensor-parallel tests, which
+# refuse the first two);
 # tests/test_weight_layout.py runs the other ones and the choice.
 os.environ.setdefault("JSPEC_WEIGHT_LAYOUT", "in_out")
 os.environ.setdefault("JSPEC_LAYER_BUFFERS", "stacked")
+os.environ.setdefault("JSPEC_DOT_ROWS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ these tests run the others through the forward and the engine and check the choi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -57,15 +58,21 @@ def test_speculative_equals_plain_with_the_other_layout(bf16_models, mixed_promp
     speculative sequences, each verified beside other rows and prefill chunks, gives what
     plain decoding gives each prompt alone."""
     monkeypatch.setenv(weight_layout.ENV, "out_in")
-    target, draft = bf16_models
-    prompts = mixed_prompts[:6]
-    plain = make_engine(target, None, dtype="bfloat16")
+    plain, spec = speculative_equals_plain(bf16_models, mixed_prompts[:6])
     assert plain.target.cfg.weight_layout == "out_in"
+    assert spec.metrics.spec_decode_num_accepted_tokens > 0
+
+
+def speculative_equals_plain(bf16_models, prompts):
+    """Asserts that the bf16 pair's speculative decoding of ``prompts`` in one batch gives what
+    plain decoding gives each prompt alone; returns (plain engine, speculative engine)."""
+    target, draft = bf16_models
+    plain = make_engine(target, None, dtype="bfloat16")
     alone = [run_to_completion(plain, [p], GREEDY)["0"].token_ids for p in prompts]
     spec = make_engine(target, draft, policy_options=(("gamma", 3),), dtype="bfloat16")
     outs = run_to_completion(spec, prompts, GREEDY)
     assert [outs[str(i)].token_ids for i in range(len(prompts))] == alone
-    assert spec.metrics.spec_decode_num_accepted_tokens > 0
+    return plain, spec
 
 
 def test_both_layouts_compute_the_same_model(engine_models, ten_prompts, greedy_reference,
@@ -86,21 +93,29 @@ def probe_params():
     return cfg, init_params(cfg, seed=0, dtype=jnp.bfloat16)
 
 
-def test_the_choice_measures_once_per_machine_and_keeps_the_default_without_a_clear_win(
-        probe_params, monkeypatch, tmp_path, capsys):
-    cfg, params = probe_params
+@pytest.fixture
+def fake_probe(monkeypatch, tmp_path):
+    """``calls, answer = fake_probe(name, record)``: ``weight_layout.<name>`` (a probe) replaced
+    by one that appends ``record(*its arguments)`` to ``calls`` and returns the seconds last
+    given to ``answer``; the choices are cached in a fresh directory."""
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    calls, seconds = [], {}
+
+    def install(name, record):
+        def measure(*args):
+            calls.append(record(*args))
+            return dict(seconds)
+        monkeypatch.setattr(weight_layout, name, measure)
+        return calls, lambda answer: seconds.update(answer)
+    return install
+
+
+def test_the_choice_measures_once_per_machine_and_keeps_the_default_without_a_clear_win(
+        probe_params, fake_probe, monkeypatch, tmp_path, capsys):
+    cfg, params = probe_params
     monkeypatch.setenv(weight_layout.ENV, "auto")
-    calls = []
-
-    def fake(seconds):
-        def measure(weights):
-            calls.append(sorted(weights))
-            return seconds
-        return measure
-
-    # 3% faster is inside the margin: the default stays
-    monkeypatch.setattr(weight_layout, "measure", fake({"in_out": 1.0, "out_in": 0.97}))
+    calls, fake = fake_probe("measure", sorted)
+    fake({"in_out": 1.0, "out_in": 0.97})  # 3% faster is inside the margin: the default stays
     assert weight_layout.choose(cfg, params) == "in_out"
     assert calls == [sorted(["wqkv", "wo", "w_gate_up", "w_down", "lm_head"])]
     assert "weight layout 'in_out'" in capsys.readouterr().err
@@ -110,7 +125,7 @@ def test_the_choice_measures_once_per_machine_and_keeps_the_default_without_a_cl
         cfg.hidden_size, 2 * cfg.intermediate_size]
     # another machine's timings (a fresh cache): a clear win is taken
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(weight_layout, "measure", fake({"in_out": 1.0, "out_in": 0.8}))
+    fake({"in_out": 1.0, "out_in": 0.8})
     assert weight_layout.choose(cfg, params) == "out_in"
     # JSPEC_PROFILE_CACHE=off: measured again, nothing written
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "none"))
@@ -218,32 +233,18 @@ def test_the_engine_decodes_the_same_with_per_layer_buffers(engine_models, bf16_
     outs = run_to_completion(engine, ten_prompts, greedy)
     assert [outs[str(i)].token_ids for i in range(len(ten_prompts))] == greedy_reference
     monkeypatch.setenv(weight_layout.ENV, "out_in")
-    target, draft = bf16_models
-    prompts = mixed_prompts[:4]
-    plain = make_engine(target, None, dtype="bfloat16")
-    alone = [run_to_completion(plain, [p], GREEDY)["0"].token_ids for p in prompts]
-    spec = make_engine(target, draft, policy_options=(("gamma", 3),), dtype="bfloat16")
+    _, spec = speculative_equals_plain(bf16_models, mixed_prompts[:4])
     assert spec.runner.pool[0].cfg.layer_buffers == "stacked"  # the draft loop's: stacked
     assert spec.limits.layer_buffers == "per_layer"
-    outs = run_to_completion(spec, prompts, GREEDY)
-    assert [outs[str(i)].token_ids for i in range(len(prompts))] == alone
 
 
 def test_the_buffer_choice_measures_once_and_keeps_stacked_without_a_clear_win(
-        probe_params, monkeypatch, tmp_path, capsys):
+        probe_params, fake_probe, monkeypatch, tmp_path, capsys):
     cfg, params = probe_params
-    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv(weight_layout.BUFFERS_ENV, "auto")
-    calls = []
-
-    def fake(seconds):
-        def measure(layers, cfg, layout):
-            calls.append((sorted(layers), layout, layers["wo"].shape))
-            return seconds
-        return measure
-
-    monkeypatch.setattr(weight_layout, "measure_buffers",
-                        fake({"stacked": 1.0, "per_layer": 0.93}))  # inside the margin
+    calls, fake = fake_probe("measure_buffers", lambda layers, cfg, layout: (
+        sorted(layers), layout, layers["wo"].shape))
+    fake({"stacked": 1.0, "per_layer": 0.93})  # inside the margin
     assert weight_layout.choose_buffers(cfg, params, "out_in") == "stacked"
     # probed laid out as asked: [L, out, in]
     assert calls == [(sorted(weight_layout.PROJECTIONS), "out_in",
@@ -254,8 +255,7 @@ def test_the_buffer_choice_measures_once_and_keeps_stacked_without_a_clear_win(
     assert weight_layout.choose_buffers(cfg, params, "in_out") == "stacked"
     assert len(calls) == 2  # another layout is another entry
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(weight_layout, "measure_buffers",
-                        fake({"stacked": 1.0, "per_layer": 0.7}))
+    fake({"stacked": 1.0, "per_layer": 0.7})
     assert weight_layout.choose_buffers(cfg, params, "out_in") == "per_layer"
 
 
@@ -293,3 +293,83 @@ def test_the_buffer_override_and_what_keeps_stacked(probe_params, monkeypatch):
         weight_layout.choose_buffers(cfg, params, "in_out")
     with pytest.raises(ValueError, match="shards stacked layer weights, got 'per_layer'"):
         sharding.shard_params(split, split_cfg, types.SimpleNamespace(size=2))
+
+
+def test_a_row_floor_pads_single_rows_and_keeps_the_product():
+    from jspec.models.transformer import project
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((16, 24)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((1, 16)), jnp.float32)
+    for layout, weight in (("in_out", w), ("out_in", w.T)):
+        padded = jax.jit(lambda x, w: project(x, w, layout, min_rows=2))(x, weight)
+        assert padded.shape == (1, 24)
+        np.testing.assert_allclose(padded, x @ w, rtol=1e-5, atol=1e-5)
+    hlo = jax.jit(lambda x, w: project(x, w, "in_out", min_rows=2)).lower(x, w).as_text()
+    assert "tensor<2x16xf32>" in hlo  # the product runs over two rows
+    wide = jnp.ones((3, 16), jnp.float32)  # rows enough: nothing padded
+    hlo = jax.jit(lambda x, w: project(x, w, "in_out", min_rows=2)).lower(wide, w).as_text()
+    assert "pad" not in hlo
+    with pytest.raises(ValueError, match="min_dot_rows must be a positive integer"):
+        tiny_config("llama", min_dot_rows=0)
+
+
+def test_the_engine_decodes_the_same_with_single_rows_padded(engine_models, bf16_models,
+                                                           ten_prompts, greedy_reference,
+                                                           mixed_prompts, monkeypatch):
+    """With every model's single rows padded to two, fp32 greedy decoding one sequence at a
+    time reproduces the suite's reference: plainly, by a target without batch-invariant
+    numerics (whose single rows are then padded), and with a draft (the draft loop's are); in
+    bf16 speculative decoding gives what plain decoding gives each prompt."""
+    monkeypatch.setenv(weight_layout.ROWS_ENV, "2")
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for draft in (None, engine_models[1]):
+        options = {} if draft is None else {"policy_options": (("gamma", 3),)}
+        engine = make_engine(engine_models[0], draft, deterministic=False, max_num_seqs=1,
+                             **options)
+        assert engine.target.cfg.min_dot_rows == 2
+        outs = run_to_completion(engine, ten_prompts[:4], greedy)
+        assert [outs[str(i)].token_ids for i in range(4)] == greedy_reference[:4]
+    assert engine.runner.pool[0].cfg.min_dot_rows == 2
+    assert engine.metrics.spec_decode_num_accepted_tokens > 0
+    _, spec = speculative_equals_plain(bf16_models, mixed_prompts[:4])
+    assert spec.runner.pool[0].cfg.min_dot_rows == 2
+
+
+def test_the_row_floor_is_measured_once_and_pads_only_for_a_clear_win(
+        probe_params, fake_probe, monkeypatch, tmp_path, capsys):
+    cfg, params = probe_params
+    monkeypatch.setenv(weight_layout.ROWS_ENV, "auto")
+    calls, fake = fake_probe("measure_rows", lambda weights, layout: (
+        sorted(weights), layout, weights["wo"].shape))
+    fake({"1": 1.0, "2": 0.97})  # inside the margin
+    laid, laid_cfg = lay_out(params, cfg, "out_in", "per_layer")
+    assert weight_layout.choose_min_rows(laid_cfg, laid) == 1
+    # the first layer's weights as the model holds them: [out, in]
+    assert calls == [(sorted([*weight_layout.PROJECTIONS, "lm_head"]), "out_in",
+                      (cfg.hidden_size, cfg.q_size))]
+    assert "dot rows 1" in capsys.readouterr().err
+    assert weight_layout.choose_min_rows(laid_cfg, laid) == 1 and len(calls) == 1  # cached
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "other"))
+    fake({"1": 1.0, "2": 0.5})
+    assert weight_layout.choose_min_rows(cfg, params) == 2
+    # what laid_out gives the engine: every model gets its own measured floor
+    assert weight_layout.laid_out(cfg, params, "in_out", drafts=True)[1].min_dot_rows == 2
+    # chosen already, forced, or not a CPU: nothing measured
+    monkeypatch.setattr(weight_layout, "measure_rows", lambda *a: pytest.fail("measured"))
+    chosen = dataclasses.replace(cfg, min_dot_rows=2)
+    assert weight_layout.choose_min_rows(chosen, params) == 2
+    monkeypatch.setenv(weight_layout.ROWS_ENV, "1")
+    assert weight_layout.choose_min_rows(cfg, params) == 1
+    monkeypatch.setenv(weight_layout.ROWS_ENV, "3")
+    with pytest.raises(ValueError, match="JSPEC_DOT_ROWS='3': expected one of auto, 1, 2"):
+        weight_layout.choose_min_rows(cfg, params)
+
+
+def test_the_real_row_probe_times_both_floors(probe_params):
+    cfg, params = probe_params
+    laid, laid_cfg = lay_out(params, cfg, "out_in", "per_layer")
+    weights = weight_layout.first_layer_weights(laid, laid_cfg)
+    np.testing.assert_array_equal(weights["w_gate_up"], params["layers"]["w_gate_up"][0].T)
+    seconds = weight_layout.measure_rows(weights, "out_in")
+    assert set(seconds) == {"1", "2"} and min(seconds.values()) > 0
