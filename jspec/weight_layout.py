@@ -27,12 +27,13 @@ the stacked time; cached like the layout. Draft models stay stacked (engine_setu
 A product of one row (one sequence decoding, or drafting, alone) can take another path than
 one of several rows: on a 2-vCPU Intel Xeon with AMX, XLA:CPU widens bf16 weights to float32
 for a one-row product and multiplies a chain of [384, 1920] and [1920, 384] bf16 weights
-2.2-2.7x faster with the row padded to two (float32 there: 1.0-1.9x slower padded). ``choose_min_rows`` times
-each model's first layer's projections and output head at one row, as it is and padded to two,
-and pads (``ModelConfig.min_dot_rows`` = 2, models/transformer.py ``project``) where that takes
-at most ``MARGIN`` of the one-row time; cached like the layout. The target's batch-invariant
-mode pads its products to four rows anyway (``jspec.kernels.batch_invariance``), so this counts
-for the draft models' loop and for a target run without it.
+2.2-2.7x faster with the row padded to two (float32 there: 1.0-1.9x slower padded).
+``choose_min_rows`` times each model's first layer's projections and output head at one row, as
+it is and padded to two, and pads (``ModelConfig.min_dot_rows`` = 2, models/transformer.py
+``project``) where that takes at most ``MARGIN`` of the one-row time; cached like the layout.
+The target's batch-invariant mode pads its products to four rows anyway
+(``jspec.kernels.batch_invariance``), so this counts for the draft models' loop and for a
+target run without it.
 
 ``JSPEC_WEIGHT_LAYOUT`` = ``in_out`` / ``out_in`` forces a layout, ``JSPEC_LAYER_BUFFERS`` =
 ``stacked`` / ``per_layer`` the target's layer buffers and ``JSPEC_DOT_ROWS`` = ``1`` / ``2``
