@@ -88,7 +88,7 @@ def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=No
         return cfg.weight_layout
     if jax.default_backend() != "cpu":
         return "in_out"
-    weights = probe_weights(params)
+    weights = probe_weights(params, cfg)
     dtype_name = str(np.dtype(weights["w_gate_up"].dtype))
     key = {"dtype": dtype_name, "rows": PROBE_ROWS,
            "shapes": {k: list(w.shape) for k, w in weights.items()}}
@@ -159,7 +159,7 @@ def choose_min_rows(cfg: ModelConfig, params: dict, log=None) -> int:
         return cfg.min_dot_rows
     if jax.default_backend() != "cpu":
         return 1
-    weights = first_layer_weights(params, cfg)
+    weights = probe_weights(params, cfg)
     dtype_name = str(np.dtype(weights["w_gate_up"].dtype))
     key = {"dtype": dtype_name, "layout": cfg.weight_layout,
            "shapes": {k: list(w.shape) for k, w in weights.items()}}
@@ -175,17 +175,6 @@ def choose_min_rows(cfg: ModelConfig, params: dict, log=None) -> int:
               f"{times['1'] * 1e3:.2f} ms, padded to two {times['2'] * 1e3:.2f} ms; {ROWS_ENV} "
               f"overrides)", file=log or sys.stderr, flush=True)
     return int(rows)
-
-
-def first_layer_weights(params: dict, cfg: ModelConfig) -> dict:
-    """The first layer's projection weights and the output head (its first ``HEAD_COLUMNS``
-    vocabulary entries) of ``params``, laid out and held as ``cfg`` says."""
-    layers = params["layers"]
-    first = layers[0] if cfg.layer_buffers == "per_layer" else {
-        name: layers[name][0] for name in PROJECTIONS}
-    head = params["lm_head"]
-    head = head[:, :HEAD_COLUMNS] if cfg.weight_layout == "in_out" else head[:HEAD_COLUMNS]
-    return {**{name: first[name] for name in PROJECTIONS}, "lm_head": head}
 
 
 def measure_rows(weights: dict, layout: str) -> dict[str, float]:
@@ -223,9 +212,7 @@ def laid_out(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_size: 
 
     buffers = "stacked" if drafts else choose_buffers(cfg, params, layout, tensor_parallel_size)
     params, cfg = lay_out(params, cfg, layout, buffers)
-    rows = choose_min_rows(cfg, params)
-    return params, cfg if rows == cfg.min_dot_rows else dataclasses.replace(cfg,
-                                                                             min_dot_rows=rows)
+    return params, dataclasses.replace(cfg, min_dot_rows=choose_min_rows(cfg, params))
 
 
 def probe_layers(params: dict, cfg: ModelConfig, layout: str) -> dict:
@@ -292,14 +279,17 @@ def _cached(kind: str, key: dict, choices: tuple[str, ...], decide):
     return choice, seconds
 
 
-def probe_weights(params: dict) -> dict:
-    """What the probe multiplies, laid out "in_out": the first layer's projections and the
-    output head (its first ``HEAD_COLUMNS`` vocabulary columns: a 150k-token head would cost
-    a second copy of itself to probe, and a slice multiplies the same way)."""
+def probe_weights(params: dict, cfg: ModelConfig) -> dict:
+    """What the probes multiply, laid out and held as ``cfg`` says: the first layer's
+    projections and the output head (its first ``HEAD_COLUMNS`` vocabulary entries: a
+    150k-token head would cost a second copy of itself to probe, and a slice multiplies the
+    same way)."""
     layers = params["layers"]
-    weights = {name: layers[name][0] for name in PROJECTIONS}
-    weights["lm_head"] = params["lm_head"][:, :HEAD_COLUMNS]
-    return weights
+    first = layers[0] if cfg.layer_buffers == "per_layer" else {
+        name: layers[name][0] for name in PROJECTIONS}
+    head = params["lm_head"]
+    head = head[:, :HEAD_COLUMNS] if cfg.weight_layout == "in_out" else head[:HEAD_COLUMNS]
+    return {**{name: first[name] for name in PROJECTIONS}, "lm_head": head}
 
 
 def measure(weights: dict) -> dict[str, float]:

@@ -141,8 +141,8 @@ def test_the_choice_measures_once_per_machine_and_keeps_the_default_without_a_cl
 
 
 def test_the_real_probe_times_both_layouts(probe_params):
-    _, params = probe_params
-    seconds = weight_layout.measure(weight_layout.probe_weights(params))
+    cfg, params = probe_params
+    seconds = weight_layout.measure(weight_layout.probe_weights(params, cfg))
     assert set(seconds) == {"in_out", "out_in"} and min(seconds.values()) > 0
 
 
@@ -355,7 +355,7 @@ def test_the_row_floor_is_measured_once_and_pads_only_for_a_clear_win(
     assert weight_layout.choose_min_rows(cfg, params) == 2
     # what laid_out gives the engine: every model gets its own measured floor
     assert weight_layout.laid_out(cfg, params, "in_out", drafts=True)[1].min_dot_rows == 2
-    # chosen already, forced, or not a CPU: nothing measured
+    # chosen already, or forced: nothing measured
     monkeypatch.setattr(weight_layout, "measure_rows", lambda *a: pytest.fail("measured"))
     chosen = dataclasses.replace(cfg, min_dot_rows=2)
     assert weight_layout.choose_min_rows(chosen, params) == 2
@@ -369,7 +369,7 @@ def test_the_row_floor_is_measured_once_and_pads_only_for_a_clear_win(
 def test_the_real_row_probe_times_both_floors(probe_params):
     cfg, params = probe_params
     laid, laid_cfg = lay_out(params, cfg, "out_in", "per_layer")
-    weights = weight_layout.first_layer_weights(laid, laid_cfg)
+    weights = weight_layout.probe_weights(laid, laid_cfg)
     np.testing.assert_array_equal(weights["w_gate_up"], params["layers"]["w_gate_up"][0].T)
     seconds = weight_layout.measure_rows(weights, "out_in")
     assert set(seconds) == {"1", "2"} and min(seconds.values()) > 0
