@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jspec import device_steps
+from jspec import device_steps, memory_maps
 from jspec.config import ResolvedConfig, resolve_elastic_pool_layout
 from jspec.sampler import (SamplingTensors, TokenLogprobs, VerifyResult, rejection_sample,
                            sample_tokens, token_logprobs, verify_signals)
@@ -71,13 +71,19 @@ def cache_loads() -> int:
     return _cache_loads[0]
 
 
-# Process-wide executables, least recently used first. Bounded: each XLA:CPU executable maps
-# ~250 memory regions, and a process that builds many engines (a notebook, the test suite)
-# would otherwise reach the kernel's limit of 65530 maps and crash inside the next compile.
-# An engine keeps its own references (ModelRunner._local), so eviction never takes an
-# executable from a live engine; it only lets those of dropped engines be freed.
+# Process-wide executables, least recently used first. Bounded, because each XLA:CPU executable
+# holds hundreds of memory maps of the few tens of thousands Linux allows a process
+# (jspec.memory_maps): by count here, and emptied before a compilation near the limit. An
+# engine keeps its own references (ModelRunner._local), so eviction never takes an executable
+# from a live engine; it only lets those of dropped engines be freed.
 _EXECUTABLES: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 MAX_CACHED_EXECUTABLES = 128
+
+
+def _drop_cached_executables() -> int:
+    dropped = len(_EXECUTABLES)
+    _EXECUTABLES.clear()
+    return dropped
 
 
 def enable_persistent_compilation_cache(path: str) -> None:
@@ -362,6 +368,7 @@ class ModelRunner:
         with _compile_lock:
             exe = _EXECUTABLES.get(full_key)
             if exe is None:
+                memory_maps.make_room(_drop_cached_executables)
                 t0 = time.perf_counter()
                 exe = build()
                 self.compile_seconds += time.perf_counter() - t0
