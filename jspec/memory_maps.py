@@ -49,6 +49,11 @@ def thresholds(limit: int) -> tuple[int, int]:
     return limit - max(limit // 8, 4096), limit - max(limit // 16, 2048)
 
 
+# The mappings held right after the last release: until they grow by a share of the limit
+# again, engines that stay alive hold them and another release would free nothing.
+_after_release = [0]
+
+
 def make_room(drop_unused: Callable[[], int]) -> None:
     """Before a compilation: near the limit, ``drop_unused()`` (the caller releases the
     executables it caches for engines that may be gone and returns how many), clear JAX's jit
@@ -58,12 +63,12 @@ def make_room(drop_unused: Callable[[], int]) -> None:
         return
     relieve, refuse = thresholds(limit)
     before = map_count()
-    if before < relieve:
+    if before < relieve or (before < refuse and before < _after_release[0] + limit // 32):
         return
     dropped = drop_unused()
     jax.clear_caches()
     gc.collect()
-    after = map_count()
+    after = _after_release[0] = map_count()
     print(f"jspec: {before} memory maps of the {limit} this process may hold; released "
           f"{dropped} cached executables and JAX's jit caches: {after} now", file=sys.stderr)
     if after >= refuse:

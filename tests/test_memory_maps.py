@@ -15,8 +15,10 @@ RELIEVE, REFUSE = memory_maps.thresholds(LIMIT)
 
 
 def fake_maps(monkeypatch, counts, limit=LIMIT):
-    """map_limit() -> limit; map_count() -> the next of ``counts`` (the last repeats)."""
+    """map_limit() -> limit; map_count() -> the next of ``counts`` (the last repeats); no
+    release remembered."""
     seen = list(counts)
+    monkeypatch.setattr(memory_maps, "_after_release", [0])
     monkeypatch.setattr(memory_maps, "map_limit", lambda: limit)
     monkeypatch.setattr(memory_maps, "map_count",
                         lambda: seen.pop(0) if len(seen) > 1 else seen[0])
@@ -58,6 +60,25 @@ def test_near_the_limit_unused_executables_are_released(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert f"{RELIEVE + 10} memory maps of the {LIMIT}" in err
     assert "released 7 cached executables" in err
+
+
+def test_engines_that_stay_alive_are_not_released_at_every_compilation(monkeypatch):
+    """After a release that left the live engines' mappings near the limit, the next release
+    waits until they grow by a share of it (a release per compilation would free nothing);
+    at the refusing threshold it releases again before refusing."""
+    released = []
+    step = LIMIT // 32
+    fake_maps(monkeypatch, [RELIEVE + 10, RELIEVE + 5, RELIEVE + 5 + step - 1,
+                            RELIEVE + 5 + step, RELIEVE + 5 + step, REFUSE, REFUSE])
+    memory_maps.make_room(lambda: released.append(1) or 0)
+    assert len(released) == 1
+    memory_maps.make_room(lambda: released.append(2) or 0)
+    assert len(released) == 1
+    memory_maps.make_room(lambda: released.append(3) or 0)
+    assert released == [1, 3]
+    with pytest.raises(memory_maps.MemoryMapLimitError):
+        memory_maps.make_room(lambda: released.append(4) or 0)
+    assert released == [1, 3, 4]
 
 
 def test_when_live_engines_hold_too_many_the_error_says_so(monkeypatch):
