@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jspec import memory_maps, runner
-from tests.conftest import make_engine
+from conftest import make_engine
 
 LIMIT = 65530
 RELIEVE, REFUSE = memory_maps.thresholds(LIMIT)
