@@ -78,5 +78,4 @@ def make_room(drop_unused: Callable[[], int]) -> None:
             f"in it hold too many executables to compile another safely. Drop the engines you "
             f"no longer use (del llm; gc.collect()), run fewer engines per process, hold targets' "
             f"layers stacked (JSPEC_LAYER_BUFFERS=stacked: their mappings do not grow with the "
-            f"layer count), or "
-            f"raise the limit (sysctl -w vm.max_map_count=262144).")
+            f"layer count), or raise the limit (sysctl -w vm.max_map_count=262144).")

@@ -110,7 +110,7 @@ def fake_probe(monkeypatch, tmp_path):
     return install
 
 
-def test_the_choice_measures_once_per_machine_and_keeps_the_default_without_a_clear_win(
+def test_the_choice_is_cached_per_machine_and_keeps_the_default_without_a_clear_win(
         probe_params, fake_probe, monkeypatch, tmp_path, capsys):
     cfg, params = probe_params
     monkeypatch.setenv(weight_layout.ENV, "auto")
@@ -253,7 +253,7 @@ def test_only_an_answer_two_measurements_agree_on_is_kept(monkeypatch, tmp_path)
         assert weight_layout._cached("probe", key, ("a", "b"), pytest.fail) == (kept[0], None)
 
 
-def test_the_buffer_choice_measures_once_and_keeps_stacked_without_a_clear_win(
+def test_the_buffer_choice_is_cached_and_keeps_stacked_without_a_clear_win(
         probe_params, fake_probe, monkeypatch, tmp_path, capsys):
     cfg, params = probe_params
     monkeypatch.setenv(weight_layout.BUFFERS_ENV, "auto")
@@ -351,7 +351,7 @@ def test_the_engine_decodes_the_same_with_single_rows_padded(engine_models, bf16
     assert spec.runner.pool[0].cfg.min_dot_rows == 2
 
 
-def test_the_row_floor_is_measured_once_and_pads_only_for_a_clear_win(
+def test_the_row_floor_is_cached_and_pads_only_for_a_clear_win(
         probe_params, fake_probe, monkeypatch, tmp_path, capsys):
     cfg, params = probe_params
     monkeypatch.setenv(weight_layout.ROWS_ENV, "auto")
