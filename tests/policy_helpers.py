@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jspec.policies.base import BatchView, DraftStats, StepOutcome
-from jspec.policies.profile import StepProfile
+from jspec.policies.profile import StepProfile, model_signature
 
 
 def make_view(num_decode: int = 1, batch_size: int | None = None, max_gamma: int = 4, *,
@@ -124,3 +124,12 @@ def synthetic_profile(target_cost: float = 0.02, draft_cost: float = 0.002,
     return StepProfile("synthetic-target", "synthetic-draft", "synthetic", "none",
                        list(batch_sizes), list(query_lens), list(context_lens),
                        list(catch_up_lens), target, draft, catch_up)
+
+
+def free_draft_profile(target_cfg, draft_cfg) -> StepProfile:
+    """A synthetic cost model where drafting is nearly free, labelled for the given models
+    (policies check the labels): the cost-aware policies then speculate whatever this machine's
+    step times are, and a test's premise that they do cannot depend on timing."""
+    p = synthetic_profile(target_cost=0.02, draft_cost=1e-6, per_token=1e-7)
+    p.target, p.draft = model_signature(target_cfg), model_signature(draft_cfg)
+    return p

@@ -11,8 +11,7 @@ import pytest
 from conftest import make_engine, run_to_completion
 from jspec.sampling_params import SamplingParams
 from jspec.policies import POLICIES, make_policy
-from jspec.policies.profile import StepProfile, model_signature
-from policy_helpers import synthetic_profile
+from policy_helpers import free_draft_profile, synthetic_profile
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 MAX_GAMMA = 7  # conftest.ENGINE_KW: shapes shared with the other engine tests
@@ -22,17 +21,9 @@ DOCUMENTED = ("auto", "static", "off", "nightjar", "dsde", "adaspec", "dsd", "uc
               "heuristic", "specrouter")
 
 
-def _profile(target, draft) -> StepProfile:
-    """A synthetic cost model where drafting is nearly free (so the cost-aware policies do
-    speculate with the tiny random draft, whose confidences are low), labelled for the test
-    models (policies check the labels)."""
-    p = synthetic_profile(target_cost=0.02, draft_cost=1e-6, per_token=1e-7)
-    p.target, p.draft = model_signature(target.cfg), model_signature(draft.cfg)
-    return p
-
-
 def _policy(name, target, draft):
-    options = {"profile": _profile(target, draft)} if name in ("adaspec", "dsd") else {}
+    options = ({"profile": free_draft_profile(target.cfg, draft.cfg)}
+               if name in ("adaspec", "dsd") else {})
     if name == "adaspec":  # its verifier trims verify lengths between draft and verify: the
         options["verifier"] = True  # engine's one path through Policy.select
     if name == "adaedl":
