@@ -22,7 +22,9 @@ apart (about twice the first start of an engine, once per machine with the persi
 compilation cache). ``choose_buffers`` times a chain through the projections of the target's
 first layers (as many as hold ``PROBE_BYTES``, so that they leave the caches as a larger model's
 would) both ways at 2 and 16 rows and takes per-layer buffers where they take at most 0.9 of
-the stacked time; cached like the layout. Draft models stay stacked (engine_setup.py).
+the stacked time; cached like the layout. Draft models stay stacked (engine_setup.py). A model
+deep enough that its per-layer executables would hold half of the process's memory maps
+(``per_layer_fits``; jspec/memory_maps.py) stays stacked without measuring.
 
 A product of one row (one sequence decoding, or drafting, alone) can take another path than
 one of several rows: on a 2-vCPU Intel Xeon with AMX, XLA:CPU widens bf16 weights to float32
@@ -63,6 +65,13 @@ BUFFER_ROWS = (2, 16)
 # "per_layer" must take at most this share of "stacked"'s time: it compiles every layer apart
 BUFFER_MARGIN = 0.9
 PROBE_BYTES = 128 << 20  # layer weights the buffer probe runs through, at most (probe_layers)
+# Per-layer buffers cost memory maps: XLA:CPU loads each kernel of an executable as an object of
+# three mappings, and an unrolled forward has each layer's own kernels. Counted on the 2-vCPU
+# Intel Xeon: a 24-layer model's bucket holds ~150 mappings stacked and ~600 per layer, up to
+# 1,066 for the widest (about 19 more per layer, up to 44). An engine compiles some tens of
+# target forwards (the built-in pair under `auto` at 16 sequences: 33).
+MAPS_PER_LAYER = 20
+TARGET_EXECUTABLES = 40
 ROWS_ENV = "JSPEC_DOT_ROWS"
 DOT_ROWS = ("1", "2")  # the row floors choose_min_rows picks from
 
@@ -111,7 +120,8 @@ def choose_buffers(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_
     """How the layer weights of the model ``cfg`` and ``params`` describe are to be held once
     laid out as ``layout``: "per_layer" where a chain through the layers' projections
     (``measure_buffers``) at ``BUFFER_ROWS`` rows takes at most ``BUFFER_MARGIN`` of its time
-    with the weights stacked, else "stacked" (module docstring)."""
+    with the weights stacked, else "stacked"; "stacked" unmeasured for a model too deep for the
+    process's memory maps (``per_layer_fits``; module docstring)."""
     import jax
     import numpy as np
 
@@ -122,6 +132,15 @@ def choose_buffers(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_
     if cfg.layer_buffers != "stacked":  # held per layer already: kept
         return cfg.layer_buffers
     if jax.default_backend() != "cpu":
+        return "stacked"
+    from jspec.memory_maps import map_limit
+
+    limit = map_limit()
+    if not per_layer_fits(cfg.num_layers, limit):
+        print(f"jspec: layer weights 'stacked': {cfg.num_layers} layers held per layer would "
+              f"take about {per_layer_maps(cfg.num_layers):,} of the {limit:,} memory maps this "
+              f"process may hold (vm.max_map_count; {BUFFERS_ENV} overrides)",
+              file=log or sys.stderr, flush=True)
         return "stacked"
     stacked = {name: params["layers"][name] for name in PROJECTIONS}
     dtype_name = str(np.dtype(stacked["w_gate_up"].dtype))
@@ -142,6 +161,19 @@ def choose_buffers(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_
               f"per_layer {times['per_layer'] * 1e3:.2f} ms; {BUFFERS_ENV} overrides)",
               file=log or sys.stderr, flush=True)
     return buffers
+
+
+def per_layer_maps(num_layers: int) -> int:
+    """About how many more memory maps an engine's target executables hold with ``num_layers``
+    layers in a buffer each than stacked."""
+    return MAPS_PER_LAYER * num_layers * TARGET_EXECUTABLES
+
+
+def per_layer_fits(num_layers: int, limit: int | None) -> bool:
+    """Whether per-layer buffers leave room under the process's memory-map ``limit`` (None: no
+    limit): their executables may take at most half of it, the rest being for the draft's, the
+    libraries' and other engines' (jspec/memory_maps.py relieves and refuses above 7/8)."""
+    return limit is None or per_layer_maps(num_layers) <= limit // 2
 
 
 def choose_min_rows(cfg: ModelConfig, params: dict, log=None) -> int:

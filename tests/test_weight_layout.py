@@ -274,6 +274,26 @@ def test_the_buffer_choice_is_cached_and_keeps_stacked_without_a_clear_win(
     assert weight_layout.choose_buffers(cfg, params, "out_in") == "per_layer"
 
 
+def test_a_model_too_deep_for_the_memory_maps_stays_stacked_unmeasured(
+        probe_params, monkeypatch, capsys):
+    from jspec import memory_maps
+
+    cfg, params = probe_params
+    monkeypatch.setenv(weight_layout.BUFFERS_ENV, "auto")
+    monkeypatch.setattr(weight_layout, "measure_buffers", lambda *a: pytest.fail("measured"))
+    # the default limit holds 40 layers per layer (20 maps x 40 executables each, half of it)
+    assert weight_layout.per_layer_fits(40, 65530) and not weight_layout.per_layer_fits(41, 65530)
+    assert weight_layout.per_layer_fits(10_000, None)  # no limit to read
+    limit = 2 * weight_layout.per_layer_maps(cfg.num_layers) - 1  # one map short
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: limit)
+    assert weight_layout.choose_buffers(cfg, params, "in_out") == "stacked"
+    err = capsys.readouterr().err
+    assert (f"{cfg.num_layers} layers held per layer would take about "
+            f"{weight_layout.per_layer_maps(cfg.num_layers):,} of the {limit:,} memory maps") in err
+    monkeypatch.setenv(weight_layout.BUFFERS_ENV, "per_layer")  # the override still rules
+    assert weight_layout.choose_buffers(cfg, params, "in_out") == "per_layer"
+
+
 def test_the_buffer_probe_runs_the_first_layers_that_hold_its_bytes(probe_params, monkeypatch):
     cfg, params = probe_params
     layers = weight_layout.probe_layers(params, cfg, "in_out")
