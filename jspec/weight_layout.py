@@ -172,7 +172,7 @@ def per_layer_maps(num_layers: int) -> int:
 def per_layer_fits(num_layers: int, limit: int | None) -> bool:
     """Whether per-layer buffers leave room under the process's memory-map ``limit`` (None: no
     limit): their executables may take at most half of it, the rest being for the draft's, the
-    libraries' and other engines' (jspec/memory_maps.py relieves and refuses above 7/8)."""
+    libraries' and other engines' (jspec/memory_maps.py starts releasing at 7/8 of it)."""
     return limit is None or per_layer_maps(num_layers) <= limit // 2
 
 

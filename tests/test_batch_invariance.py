@@ -136,6 +136,7 @@ def test_speculative_equals_plain_in_bf16(bf16_models, prompts, plain_alone, pol
     """Every draft length, fixed or chosen per step / per sequence, verified with its drafted
     tokens beside other sequences' prefill chunks and decode rows: the plain tokens."""
     target, draft, _ = bf16_models
+    label = f"{policy} {dict(options)} batched"
     options = dict(options)
     # the cost-aware policies speculate only where their step times say it pays: with these tiny
     # models the draft costs about what the target does, so a measured profile (or the run's
@@ -147,7 +148,7 @@ def test_speculative_equals_plain_in_bf16(bf16_models, prompts, plain_alone, pol
         options["measured"] = False
     engine = make_engine(target, draft, make_policy(policy, ENGINE_KW["num_speculative_tokens"],
                                                     **options), **BF16)
-    _assert_same(_batched(engine, prompts), plain_alone, f"{policy} {dict(options)} batched")
+    _assert_same(_batched(engine, prompts), plain_alone, label)
     assert engine.metrics.spec_decode_num_accepted_tokens > 0  # it really speculated
 
 
