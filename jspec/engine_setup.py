@@ -52,9 +52,11 @@ def lay_out_weights(config: EngineConfig, target: LoadedModel, pool: list[Loaded
     machine multiplies fastest, and the target's layer weights stacked or in a buffer per
     layer, whichever this machine runs faster for it (jspec/weight_layout.py). Draft models keep
     theirs stacked: they run inside the draft loop (a ``while_loop``), where per-layer buffers
-    measured slower (docs/benchmarks.md, "Layer buffers"). An EAGLE head keeps its own."""
+    measured slower (docs/benchmarks.md, "Layer buffers"). An EAGLE head keeps its own. In
+    deterministic mode the layout is one whose dots are batch-invariant for the target, where
+    one is (``weight_layout.choose``)."""
     tp = config.tensor_parallel_size
-    layout = choose_layout(target.cfg, target.params, tp)
+    layout = choose_layout(target.cfg, target.params, tp, batch_invariant=config.deterministic)
 
     def converted(m: LoadedModel, drafts: bool) -> LoadedModel:
         if m.eagle is not None:

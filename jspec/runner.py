@@ -220,12 +220,15 @@ class ModelRunner:
         # greedy equality with plain decoding needs; the drafts only propose, so they keep the
         # cheaper batch-dependent arithmetic
         self.batch_invariant = rc.engine.deterministic
-        if self.batch_invariant and np.dtype(kv_dtype).name == "bfloat16":
-            # the guarantee is bf16's (batch_invariance: float32 dots are not invariant on
-            # XLA:CPU); probed on the target's fused QKV projection shape
-            batch_invariance.warn_if_unsupported("bfloat16", target.cfg.hidden_size,
-                                                 target.cfg.q_size + 2 * target.cfg.kv_size,
+        if self.batch_invariant:
+            # the mode's premise, probed on the target's products in the layout it holds
+            # (which weight_layout.choose picked for it where it could) and on the products
+            # its norms and attention sum rows with
+            batch_invariance.warn_if_unsupported(np.dtype(kv_dtype).name,
+                                                 target.cfg.dot_shapes(),
                                                  target.cfg.weight_layout)
+            batch_invariance.warn_if_unsupported("float32",
+                                                 batch_invariance.sum_shapes(target.cfg))
         # Elastic memory's extension (jspec/elastic.py): "segments" adds it to the target's
         # pool as a second array while the draft is offloaded (expand_target_pool) and drops it
         # at contraction; "preallocated" sizes the one array for base + extension from the

@@ -2,7 +2,7 @@
 
 A projection can be stored ``[in, out]`` and multiplied as ``x @ W`` or stored ``[out, in]`` (the
 checkpoint's layout) and multiplied as ``x @ W.T`` (models/params.py, ``lay_out``).
-The values are the same and so are the products' bits where it was checked (XLA:CPU's matmul
+The values are the same and so are the bf16 products' bits where it was checked (XLA:CPU's matmul
 library packs either into the same kernel); the speed is not, and which layout is faster
 depends on the CPU. On a 2-vCPU AMD Zen 3 (AVX2, no bf16 instructions) XLA:CPU multiplies
 Qwen2.5-0.5B-shaped bf16 weights ``[out, in]`` 1.2-2.5x faster at 2-64 rows, and that model's
@@ -11,7 +11,11 @@ within 15% (docs/benchmarks.md, "Weight layout"). So an engine on a CPU backend 
 target's first layer's projections and its output head (``probe_weights``) both ways at 1, 4 and
 16 rows and keeps ``[out, in]`` only where it is at least 5% faster, caching the answer per
 CPU, core count, jax version, dtype and shapes beside the step-time profiles
-(``JSPEC_PROFILE_CACHE=off``: measure afresh, write nothing).
+(``JSPEC_PROFILE_CACHE=off``: measure afresh, write nothing). For the target of an engine in
+deterministic mode the faster layout is kept only where this backend's dots in it are
+batch-invariant for the model's shapes (``jspec.kernels.batch_invariance.probe_shapes``), else
+the other where its are: on a 2-vCPU Intel Xeon with AMX float32 dots of ``[in, out]`` weights
+change their order at 64 rows, those of ``[out, in]`` ones do not.
 
 The target's layer weights are held stacked (one ``[L, ...]`` array per weight, the forward a
 scan over layers) or in a buffer per layer (the forward unrolled; models/params.py). XLA:CPU
@@ -84,10 +88,15 @@ def requested(env: str = ENV, choices: tuple[str, ...] = WEIGHT_LAYOUTS) -> str:
     return value
 
 
-def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=None) -> str:
-    """The layout for the model ``cfg`` and ``params`` describe (module docstring)."""
+def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=None,
+           batch_invariant: bool = False) -> str:
+    """The layout for the model ``cfg`` and ``params`` describe (module docstring). With
+    ``batch_invariant`` (the target of an engine in deterministic mode) only a layout whose dots
+    this backend computes batch-invariantly for the model's shapes is taken, where one is."""
     import jax
     import numpy as np
+
+    from jspec.kernels.batch_invariance import probe_shapes
 
     forced = _forced(requested(), ENV, "in_out", "weights laid out 'in_out'",
                      tensor_parallel_size)
@@ -101,18 +110,39 @@ def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=No
     dtype_name = str(np.dtype(weights["w_gate_up"].dtype))
     key = {"dtype": dtype_name, "rows": PROBE_ROWS,
            "shapes": {k: list(w.shape) for k, w in weights.items()}}
-    layout, times = _cached("weight_layout", key, WEIGHT_LAYOUTS, lambda: _decide_layout(weights))
+    invariant = None
+    if batch_invariant:
+        key["batch_invariant"] = True
+        shapes = cfg.dot_shapes()
+
+        def invariant(layout):
+            return probe_shapes(dtype_name, shapes, layout)
+    layout, times = _cached("weight_layout", key, WEIGHT_LAYOUTS,
+                            lambda: _decide_layout(weights, invariant))
     if times is not None:
+        fastest = _faster_layout(times)
+        why = "" if layout == fastest else \
+            f"; {fastest!r} is faster but not batch-invariant here: {invariant(fastest)}"
         print(f"jspec: weight layout {layout!r} on this CPU (one layer's projections and the "
               f"output head, {dtype_name}, at {', '.join(map(str, PROBE_ROWS))} rows: in_out "
-              f"{times['in_out'] * 1e3:.2f} ms, out_in {times['out_in'] * 1e3:.2f} ms; {ENV} "
-              f"overrides)", file=log or sys.stderr, flush=True)
+              f"{times['in_out'] * 1e3:.2f} ms, out_in {times['out_in'] * 1e3:.2f} ms{why}; "
+              f"{ENV} overrides)", file=log or sys.stderr, flush=True)
     return layout
 
 
-def _decide_layout(weights: dict) -> tuple[str, dict]:
+def _faster_layout(times: dict) -> str:
+    return "out_in" if times["out_in"] <= MARGIN * times["in_out"] else "in_out"
+
+
+def _decide_layout(weights: dict, invariant=None) -> tuple[str, dict]:
+    """The faster layout, or the other where only that one's dots are batch-invariant
+    (``invariant(layout)``: None, or what differs; None for no such condition)."""
     times = measure(weights)
-    return ("out_in" if times["out_in"] <= MARGIN * times["in_out"] else "in_out"), times
+    fastest = _faster_layout(times)
+    if invariant is None or invariant(fastest) is None:
+        return fastest, times
+    other = "in_out" if fastest == "out_in" else "out_in"
+    return (other if invariant(other) is None else fastest), times
 
 
 def choose_buffers(cfg: ModelConfig, params: dict, layout: str, tensor_parallel_size: int = 1,

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jspec.models import sharding
 from jspec.models.config import ModelConfig
 from jspec.kernels import segments
-from jspec.kernels.batch_invariance import pad_rows
+from jspec.kernels.batch_invariance import pad_rows, row_sum
 from jspec.kernels.precision import dot_precision
 from jspec.kernels.pytree import array_dataclass
 from jspec.kernels.ragged_paged_attention import (
@@ -85,9 +85,15 @@ class ModelInput:
 
 
 # ----------------------------------------------------------------------------- building blocks
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, invariant: bool = False) -> jax.Array:
+    """RMSNorm in float32. ``invariant``: the mean of squares summed in an order that does not
+    depend on the number of rows (``jspec.kernels.batch_invariance.row_sum``)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if invariant:
+        mean_sq = (row_sum(xf * xf) / xf.shape[-1])[..., None]
+    else:
+        mean_sq = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    xf = xf * jax.lax.rsqrt(mean_sq + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -146,18 +152,19 @@ def project(x: jax.Array, w: jax.Array, layout: str, min_rows: int = 1) -> jax.A
 
 
 def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend, *,
-                  cfg: ModelConfig, reduce=None) -> jax.Array:
+                  cfg: ModelConfig, reduce=None, invariant: bool = False) -> jax.Array:
     """One pre-norm decoder layer over flat tokens x [T, hidden].
 
     ``attend(q, k, v) -> [T, heads, head_dim]`` receives the rotated projections and decides
     where keys come from: the paged pool (serving) or the tokens themselves (dense, training).
     ``reduce`` sums the row-parallel projections' partial products across a tensor-parallel
-    mesh (float32, before the bias); None on one device.
+    mesh (float32, before the bias); None on one device. ``invariant``: batch-invariant norms
+    (``rms_norm``).
     """
     num_tokens = x.shape[0]
     dtype = x.dtype
     q_size, kv_size = cfg.q_size, cfg.kv_size
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, invariant)
     qkv = project(h, lp["wqkv"], cfg.weight_layout, cfg.min_dot_rows)
     if cfg.qkv_bias:
         qkv = qkv + lp["bqkv"].astype(jnp.float32)
@@ -173,7 +180,7 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
     if cfg.o_bias:
         o = o + lp["bo"].astype(jnp.float32)
     x = x + o.astype(dtype)
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, invariant)
     gate_up = project(h, lp["w_gate_up"], cfg.weight_layout, cfg.min_dot_rows)
     gate, up = jnp.split(gate_up, 2, axis=-1)
     down = project((jax.nn.silu(gate) * up).astype(dtype), lp["w_down"], cfg.weight_layout,
@@ -183,9 +190,10 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, attend
     return x + down.astype(dtype)
 
 
-def lm_head(params: dict, hidden: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def lm_head(params: dict, hidden: jax.Array, cfg: ModelConfig, invariant: bool = False
+            ) -> tuple[jax.Array, jax.Array]:
     """Final norm and output projection: (logits float32, normed hidden)."""
-    hidden = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    hidden = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps, invariant)
     logits = project(hidden, params["lm_head"], cfg.weight_layout, cfg.min_dot_rows)
     return logits, hidden
 
@@ -318,7 +326,8 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
             return attention_fn(q, k_pool, v_pool, i, md, sm_scale=sm_scale,
                                 sliding_window=cfg.sliding_window)
 
-        x = decoder_layer(lp, x, cos, sin, attend, cfg=cfg, reduce=reduce)
+        x = decoder_layer(lp, x, cos, sin, attend, cfg=cfg, reduce=reduce,
+                          invariant=batch_invariant)
         return (x, k_pool, v_pool, aux), None
 
     aux = jnp.zeros((len(aux_layers), num_tokens, x.shape[-1]), x.dtype)
@@ -327,7 +336,7 @@ def _forward(params: dict, kv: KVCache, batch: ModelInput, *, cfg: ModelConfig,
     if aux_layers:
         captured = jnp.transpose(aux, (1, 0, 2)).reshape(num_tokens, -1)
         h_pool = h_pool.at[blocks, offsets].set(captured.astype(h_pool.dtype))
-    logits, hidden = lm_head(params, x[batch.logits_indices], cfg)
+    logits, hidden = lm_head(params, x[batch.logits_indices], cfg, batch_invariant)
     logits, hidden = logits[:num_rows], hidden[:num_rows]
     if vocab_split:
         logits = jax.lax.all_gather(logits, axis, axis=1, tiled=True)

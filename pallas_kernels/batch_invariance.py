@@ -12,8 +12,16 @@ bf16 dots with float32 accumulation, every weight shape of the built-in pair and
 models, 1-1024 rows): a row of ``x @ w`` comes out the same for every row count from three up,
 in any position of the batch, but a one-row and a two-row call each use an order of their own
 (matrix-vector and narrow-panel paths). The same holds for attention's batched dots, whatever
-the batch dimensions. Elementwise work and per-row reductions (RMSNorm, softmax) do not depend
-on the other rows.
+the batch dimensions. Elementwise work does not depend on the other rows; XLA:CPU's reductions
+do: a float32 sum over a row's last axis changes its order with the number of rows (on the
+2-vCPU Intel Xeon with AMX: from 5 rows at 960 columns, 16 at 384, 64 at 128), so RMSNorm's mean
+of squares and attention's softmax denominator would differ between a token decoded alone and
+in a batch. The mode computes those sums as products (``row_sum``), which keep one order from
+``MIN_DOT_ROWS`` rows up. Float32 dots depend on the weight's layout (models/params.py): on a 2-vCPU
+Intel Xeon with AMX, weights stored ``[out, in]`` give a row the same bits from two rows up,
+weights stored ``[in, out]`` change order at 64 rows, and at five for a 960-deep product. So an
+engine in this mode takes a layout whose dots pass ``probe_shapes`` for the target
+(jspec/weight_layout.py) where one does, and warns where none does.
 
 So a batch-invariant forward never runs a dot over fewer than ``MIN_DOT_ROWS`` rows: it pads
 the flat tokens and the logits rows up to it (padding tokens write to the null block and are
@@ -52,6 +60,28 @@ def pad_rows(x: jax.Array, min_rows: int = MIN_DOT_ROWS) -> jax.Array:
     return jnp.pad(x, [(0, short)] + [(0, 0)] * (x.ndim - 1))
 
 
+# columns of the ones a row sum multiplies by: a product of at least this many keeps one order
+# for every row count (a single column takes the matrix-vector path, whose order changes)
+SUM_COLUMNS = 8
+ATTENTION_CHUNK = 128  # tokens the jnp attention reduces at a time (ragged_paged_attention)
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """``x.sum(-1)`` (float32) in an order that does not depend on how many rows ``x`` has:
+    the product of its rows, padded to ``MIN_DOT_ROWS``, with ones."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows = x.astype(jnp.float32).reshape(-1, width)
+    ones = jnp.ones((width, SUM_COLUMNS), jnp.float32)
+    total = jnp.dot(pad_rows(rows), ones, precision=jax.lax.Precision.HIGHEST)[:rows.shape[0], 0]
+    return total.reshape(lead)
+
+
+def sum_shapes(cfg) -> list[tuple[int, int]]:
+    """The (depth, width) of the products ``row_sum`` runs in a model's forward: over its
+    hidden size (RMSNorm) and over attention's 128-token chunks."""
+    return [(cfg.hidden_size, SUM_COLUMNS), (ATTENTION_CHUNK, SUM_COLUMNS)]
+
+
 def min_q_block(group: int, min_rows: int = MIN_DOT_ROWS) -> int:
     """The smallest power-of-two query tile whose (token, head) rows reach ``min_rows`` for
     ``group`` query heads per KV head."""
@@ -88,9 +118,25 @@ def probe_dots(dtype_name: str, depth: int, width: int, layout: str = "in_out") 
     return None
 
 
-def warn_if_unsupported(dtype_name: str, depth: int, width: int, layout: str = "in_out") -> None:
-    """Warn once per shape if ``probe_dots`` finds this backend's dots batch-dependent."""
-    reason = probe_dots(dtype_name, depth, width, layout)
+# columns a probe multiplies at most: a row's order of summation is over the depth, and a
+# 256-row probe of a 128k-token output head in float32 would take minutes on a CPU
+PROBE_WIDTH = 2048
+
+
+def probe_shapes(dtype_name: str, shapes, layout: str = "in_out") -> str | None:
+    """``probe_dots`` over a model's products, ``shapes`` as (depth, width) pairs (each width
+    capped at ``PROBE_WIDTH``): None if every one is batch-invariant, else the first that is
+    not, named."""
+    for depth, width in dict.fromkeys((d, min(w, PROBE_WIDTH)) for d, w in shapes):
+        reason = probe_dots(dtype_name, depth, width, layout)
+        if reason is not None:
+            return reason
+    return None
+
+
+def warn_if_unsupported(dtype_name: str, shapes, layout: str = "in_out") -> None:
+    """Warn once per shape if ``probe_shapes`` finds this backend's dots batch-dependent."""
+    reason = probe_shapes(dtype_name, shapes, layout)
     if reason is not None:
         warnings.warn(f"deterministic mode cannot make logits batch-invariant on this backend: "
                       f"{reason}; greedy speculative output may differ from plain greedy "

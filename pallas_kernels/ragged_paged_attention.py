@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jspec.kernels import segments as seg
-from jspec.kernels.batch_invariance import min_q_block
+from jspec.kernels.batch_invariance import ATTENTION_CHUNK, min_q_block, row_sum
 from jspec.kernels.precision import dot_precision
 from jspec.kernels.pytree import array_dataclass
 
@@ -153,15 +153,17 @@ def _causal_mask(k_pos: jax.Array, q_pos: jax.Array, sliding_window: int | None)
     return mask
 
 
-def _softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
+def _softmax_step(carry, s: jax.Array, mask: jax.Array, pv, invariant: bool = False):
     """One chunk of the online softmax: scores ``s`` [..., C] under ``mask``; ``pv(p)`` is the
-    chunk's probabilities times its values."""
+    chunk's probabilities times its values. ``invariant``: the probabilities summed in an order
+    that does not depend on the number of rows (``batch_invariance.row_sum``)."""
     m, l, acc = carry
     s = jnp.where(mask, s, _MASKED)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
-    return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv(p)
+    total = row_sum(p) if invariant else p.sum(axis=-1)
+    return m_new, l * corr + total, acc * corr[..., None] + pv(p)
 
 
 def _over_chunks(body, md: AttentionMetadata, page_table: jax.Array, chunk_pages: int,
@@ -235,7 +237,8 @@ def ragged_paged_attention_tiled(
                                                 chunk_pages=chunk_pages)
     # 128-token chunks: a tile's scores then stay small enough for the cache (B = 32, γ = 4
     # verify forward 15% faster on CPU than with 256, prefill chunks 3-9%; 64 was slower)
-    page_table, chunk_pages, chunk = _page_chunks(md.page_table, block_size, chunk_pages, 128)
+    page_table, chunk_pages, chunk = _page_chunks(md.page_table, block_size, chunk_pages,
+                                                  ATTENTION_CHUNK)
     tile_seq, tile_q_start, _, _, token_tile, token_row = _tile_plan(
         md, num_tokens, q_block, block_size, sliding_window, max_q_len)
     num_tiles = tile_seq.shape[0]
@@ -263,7 +266,7 @@ def ragged_paged_attention_tiled(
                        preferred_element_type=jnp.float32)
         return _softmax_step(carry, s, mask, lambda p: jnp.einsum(
             "nqkgc,nckd->nqkgd", p.astype(dtype), v, precision=precision,
-            preferred_element_type=jnp.float32))
+            preferred_element_type=jnp.float32), batch_invariant)
 
     out = _over_chunks(body, md, page_table, chunk_pages, chunk,
                        (num_tiles, q_block, kv_heads, group), head_dim)

@@ -17,7 +17,7 @@ import pytest
 from conftest import ENGINE_KW, make_engine, run_to_completion
 from jspec.runner import LoadedModel
 from jspec.sampling_params import SamplingParams
-from jspec.kernels.batch_invariance import MIN_DOT_ROWS, min_q_block, pad_rows
+from jspec.kernels.batch_invariance import MIN_DOT_ROWS, min_q_block, pad_rows, row_sum
 from jspec.policies import POLICIES, make_policy, policy_options
 from policy_helpers import free_draft_profile
 
@@ -59,6 +59,51 @@ def test_xla_dot_rows_do_not_depend_on_the_row_count(shape, layout):
         np.testing.assert_array_equal(np.asarray(dot(x[:rows], w))[0], row, err_msg=f"{rows}")
     moved = x[:16].at[11].set(x[0])  # the same row in another position of the batch
     np.testing.assert_array_equal(np.asarray(dot(moved, w))[11], row)
+
+
+@pytest.mark.parametrize("width", [128, 384, 960])
+def test_row_sums_keep_one_order_for_every_row_count(width):
+    """RMSNorm's mean of squares and attention's softmax denominator sum a row's values; the
+    mode sums them as a product (``row_sum``), whose order does not depend on the number of rows
+    (XLA:CPU's own reduction changes it: at 960 columns from 5 rows on the Intel Xeon)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((300, width)), jnp.float32)
+    rows = row_sum(x[:MIN_DOT_ROWS])
+    for n in (1, 2, MIN_DOT_ROWS + 1, 8, 16, 17, 64, 300):
+        np.testing.assert_array_equal(np.asarray(row_sum(x[:n]))[:min(n, MIN_DOT_ROWS)],
+                                      np.asarray(rows)[:min(n, MIN_DOT_ROWS)], err_msg=f"{n}")
+    np.testing.assert_allclose(np.asarray(row_sum(x)), np.asarray(x).sum(-1), rtol=1e-5,
+                               atol=1e-4)
+    assert row_sum(x.reshape(3, 100, width)).shape == (3, 100)
+
+
+CODE_PROMPTS = [
+    "def fibonacci(n):",
+    "import numpy as np\n\n\ndef moving_average(values, window):\n    \"\"\"Average of each "
+    "window of values.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser(description=\"Copy files.\")\n"
+    "    parser.add_argument(\"--src\", required=True)\n    parser.add_argument(\"--dst\", "
+    "required=True)\n    parser.add_argument(\"--verbose\", action=\"store_true\")\n",
+]
+
+
+def test_the_built_in_targets_logprobs_do_not_depend_on_the_batch():
+    """The built-in target (hidden 384): four prompts decoded alone and side by side keep every
+    logprob's bits. Its rows are wide enough that XLA:CPU's own row sums (RMSNorm over 384
+    values, attention's softmax over 128-token chunks) change their order with the batch, which
+    the tiny models' 64-wide rows never reach; the mode's row sums must not."""
+    from jspec import LLM
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    llm = LLM(dtype="bfloat16", policy="off", max_num_seqs=4, use_tqdm=False)
+
+    def decoded(outputs):
+        return [(list(o.outputs[0].token_ids),
+                 [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outputs]
+
+    alone = [decoded(llm.generate([p], params, use_tqdm=False))[0] for p in CODE_PROMPTS]
+    assert decoded(llm.generate(CODE_PROMPTS, params, use_tqdm=False)) == alone
 
 
 # ----------------------------------------------------------------------------- engine level
@@ -173,5 +218,5 @@ def test_the_backend_probe_passes_here_and_names_what_differs(monkeypatch):
         batch_invariance.probe_dots.cache_clear()
     assert reason is not None and "differs between 1 and" in reason and "[rows, 64]" in reason
     with pytest.warns(batch_invariance.BatchInvarianceWarning, match="cannot make logits"):
-        batch_invariance.warn_if_unsupported("bfloat16", 64, 200)
+        batch_invariance.warn_if_unsupported("bfloat16", [(64, 200)])
     batch_invariance.probe_dots.cache_clear()

@@ -141,6 +141,37 @@ def test_the_choice_is_cached_per_machine_and_keeps_the_default_without_a_clear_
     assert weight_layout.choose(cfg, params) == "out_in"
 
 
+def test_a_deterministic_target_takes_a_layout_whose_dots_are_batch_invariant(
+        probe_params, fake_probe, monkeypatch, tmp_path, capsys):
+    """In deterministic mode the faster layout is taken only if this backend's dots in it give
+    a row the same bits in every batch (float32 dots stored [in, out] do not on the Intel Xeon);
+    else the other, where that one's do."""
+    from jspec.kernels import batch_invariance
+
+    cfg, params = probe_params
+    monkeypatch.setenv(weight_layout.ENV, "auto")
+    _, fake = fake_probe("measure", sorted)
+    fake({"in_out": 1.0, "out_in": 1.02})  # "in_out" the faster
+    differs = {"in_out": "a float32 dot's first row differs between 4 and 64 rows"}
+    probed = []
+
+    def probe(dtype_name, shapes, layout):
+        probed.append((dtype_name, layout, list(shapes)))
+        return differs.get(layout)
+
+    monkeypatch.setattr(batch_invariance, "probe_shapes", probe)
+    assert weight_layout.choose(cfg, params) == "in_out" and not probed  # no mode, no probe
+    assert weight_layout.choose(cfg, params, batch_invariant=True) == "out_in"
+    assert probed[0] == ("bfloat16", "in_out", cfg.dot_shapes())
+    assert ("'in_out' is faster but not batch-invariant here: a float32 dot's first row "
+            "differs") in capsys.readouterr().err
+    assert weight_layout.choose(cfg, params) == "in_out"  # cached apart
+    # where neither layout's dots are invariant the faster stays (and the engine warns)
+    differs["out_in"] = "the other differs too"
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "other"))
+    assert weight_layout.choose(cfg, params, batch_invariant=True) == "in_out"
+
+
 def test_the_real_probe_times_both_layouts(probe_params):
     cfg, params = probe_params
     seconds = weight_layout.measure(weight_layout.probe_weights(params, cfg))
