@@ -27,6 +27,7 @@ from jspec.sampler import (SamplingTensors, TokenLogprobs, VerifyResult, rejecti
                            sample_tokens, token_logprobs, verify_signals)
 from jspec.models import sharding
 from jspec.models.config import ModelConfig
+from jspec.models.params import projection_shapes
 from jspec.models.transformer import KVCache, ModelInput
 from jspec.kernels import backend as kernel_backend
 from jspec.kernels.gpu_lowering import KernelShape
@@ -225,7 +226,7 @@ class ModelRunner:
             # (which weight_layout.choose picked for it where it could) and on the products
             # its norms and attention sum rows with
             batch_invariance.warn_if_unsupported(np.dtype(kv_dtype).name,
-                                                 target.cfg.dot_shapes(),
+                                                 projection_shapes(target.cfg),
                                                  target.cfg.weight_layout)
             batch_invariance.warn_if_unsupported("float32",
                                                  batch_invariance.sum_shapes(target.cfg))

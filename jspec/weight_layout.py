@@ -97,6 +97,7 @@ def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=No
     import numpy as np
 
     from jspec.kernels.batch_invariance import probe_shapes
+    from jspec.models.params import projection_shapes
 
     forced = _forced(requested(), ENV, "in_out", "weights laid out 'in_out'",
                      tensor_parallel_size)
@@ -113,7 +114,7 @@ def choose(cfg: ModelConfig, params: dict, tensor_parallel_size: int = 1, log=No
     invariant = None
     if batch_invariant:
         key["batch_invariant"] = True
-        shapes = cfg.dot_shapes()
+        shapes = projection_shapes(cfg)
 
         def invariant(layout):
             return probe_shapes(dtype_name, shapes, layout)

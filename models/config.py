@@ -103,13 +103,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def dot_shapes(self) -> list[tuple[int, int]]:
-        """The (depth, width) of every product of the forward: the fused QKV, output, fused
-        gate/up and down projections, and the output head."""
-        h, q, inter = self.hidden_size, self.q_size, self.intermediate_size
-        return [(h, q + 2 * self.kv_size), (q, h), (h, 2 * inter), (inter, h),
-                (h, self.vocab_size)]
-
     def num_params(self) -> int:
         """Parameter count as in the HF checkpoint (a tied head counted once)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

@@ -63,6 +63,13 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return {"embed": (v, h), "layers": layers, "final_norm": (h,), "lm_head": (h, v)}
 
 
+def projection_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """The (depth, width) of every product of the forward: each projection's ``[in, out]`` and
+    the output head's."""
+    shapes = param_shapes(cfg)
+    return [shapes["layers"][name][1:] for name in _PROJECTIONS] + [shapes["lm_head"]]
+
+
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random weights (normal(0, std); norms at 1, small random biases), as numpy-backed arrays."""
     rng = np.random.default_rng(seed)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import make_engine, run_to_completion
 from jspec import weight_layout
-from jspec.models.params import init_params, lay_out
+from jspec.models.params import init_params, lay_out, projection_shapes
 from jspec.models.tiny import tiny_config
 from jspec.runner import LoadedModel
 from jspec.sampling_params import SamplingParams
@@ -162,7 +162,7 @@ def test_a_deterministic_target_takes_a_layout_whose_dots_are_batch_invariant(
     monkeypatch.setattr(batch_invariance, "probe_shapes", probe)
     assert weight_layout.choose(cfg, params) == "in_out" and not probed  # no mode, no probe
     assert weight_layout.choose(cfg, params, batch_invariant=True) == "out_in"
-    assert probed[0] == ("bfloat16", "in_out", cfg.dot_shapes())
+    assert probed[0] == ("bfloat16", "in_out", projection_shapes(cfg))
     assert ("'in_out' is faster but not batch-invariant here: a float32 dot's first row "
             "differs") in capsys.readouterr().err
     assert weight_layout.choose(cfg, params) == "in_out"  # cached apart
