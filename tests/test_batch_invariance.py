@@ -10,6 +10,7 @@ every difference in summation order.)
 from __future__ import annotations
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ import pytest
 from conftest import ENGINE_KW, make_engine, run_to_completion
 from jspec.runner import LoadedModel
 from jspec.sampling_params import SamplingParams
-from jspec.kernels.batch_invariance import MIN_DOT_ROWS, min_q_block, pad_rows, row_sum
+from jspec.kernels.batch_invariance import (MIN_DOT_ROWS, invariant_rows, min_q_block,
+                                            pad_rows, row_sum)
 from jspec.policies import POLICIES, make_policy, policy_options
 from policy_helpers import free_draft_profile
 
@@ -32,18 +34,22 @@ def test_pad_rows_and_min_q_block():
     assert padded.shape == (MIN_DOT_ROWS, 3)
     np.testing.assert_array_equal(padded[:2], x)
     assert not np.asarray(padded[2:]).any()
-    assert pad_rows(jnp.zeros((9, 3))).shape == (9, 3)
+    # past one panel to a multiple of it: no dot has a last panel of one to three rows
+    assert [pad_rows(jnp.zeros((n, 3))).shape[0] for n in (5, 9, 16, 17, 18, 20, 33)] == \
+        [5, 9, 16, 20, 20, 20, 36]
     # tiles reach MIN_DOT_ROWS (token, head) rows, in powers of two
     assert [min_q_block(g) for g in (1, 2, 3, 4, 7, 8)] == [4, 2, 2, 1, 1, 1]
 
 
 @pytest.mark.parametrize("layout", ["in_out", "out_in"])
-@pytest.mark.parametrize("shape", [(64, 192), (192, 64), (896, 4864), (4864, 896)])
+@pytest.mark.parametrize("shape", [(64, 192), (192, 64), (384, 384), (896, 4864), (4864, 896)])
 def test_xla_dot_rows_do_not_depend_on_the_row_count(shape, layout):
-    """What the mode rests on: on this backend a row of a bf16 dot (float32 accumulation)
-    comes out bit-identical for every row count from MIN_DOT_ROWS up, in any position, with
-    the weight stored either way (models/params.py). If a machine breaks this, the
-    deterministic mode's guarantee does not hold there."""
+    """What the mode rests on: on this backend every row of a bf16 dot (float32 accumulation)
+    comes out bit-identical for every row count the mode runs (``invariant_rows``), in any
+    position, with the weight stored either way (models/params.py). 20 and 36 rows leave a last
+    panel of four rows past 16 and 32; a [rows, 384] @ [384, 384] product's last panel of one or
+    two rows (18, 34) takes another order on the Intel Xeon with AMX, which is why the mode never
+    runs one. If a machine breaks this, the deterministic mode's guarantee does not hold there."""
     rng = np.random.default_rng(0)
     k, n = shape
     w = rng.standard_normal((k, n)) * 0.05
@@ -51,14 +57,59 @@ def test_xla_dot_rows_do_not_depend_on_the_row_count(shape, layout):
     if layout == "out_in":
         w, contract = np.ascontiguousarray(w.T), 1
     w = jnp.asarray(w, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((256, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((260, k)), jnp.bfloat16)
     dot = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (contract,)), ((), ())),
                                                    preferred_element_type=jnp.float32))
-    row = np.asarray(dot(x[:MIN_DOT_ROWS], w))[0]
-    for rows in (MIN_DOT_ROWS + 1, 8, 17, 64, 256):
-        np.testing.assert_array_equal(np.asarray(dot(x[:rows], w))[0], row, err_msg=f"{rows}")
+    widest = np.asarray(dot(x, w))
+    for rows in (MIN_DOT_ROWS, 5, 9, 10, 16, 20, 36, 68):
+        assert invariant_rows(rows) == rows
+        np.testing.assert_array_equal(np.asarray(dot(x[:rows], w)), widest[:rows],
+                                      err_msg=f"{rows}")
     moved = x[:16].at[11].set(x[0])  # the same row in another position of the batch
-    np.testing.assert_array_equal(np.asarray(dot(moved, w))[11], row)
+    np.testing.assert_array_equal(np.asarray(dot(moved, w))[11], widest[0])
+
+
+def _dot_rows(jaxpr) -> list[int]:
+    """The row counts of every two-dimensional product in ``jaxpr`` and the jaxprs it calls."""
+    rows = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.ndim == 2:
+            rows.append(eqn.invars[0].aval.shape[0])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax_core.Jaxpr):
+                    rows += _dot_rows(sub)
+    return rows
+
+
+def test_a_batch_invariant_forward_multiplies_whole_multiples_of_the_floor():
+    """18 tokens over six sequences (a 6-row γ = 2 verification) and their logits: every
+    product of the forward, projections, output head and row sums, runs over rows the mode
+    allows, the 18 tokens' over 20."""
+    import functools
+
+    from jspec.kernels.ragged_paged_attention import (
+        AttentionMetadata, ragged_paged_attention_tiled)
+    from jspec.models.params import init_params
+    from jspec.models.tiny import tiny_config
+    from jspec.models.transformer import KVCache, ModelInput, forward
+
+    cfg = tiny_config("llama")
+    params = init_params(cfg, 0, jnp.bfloat16)
+    kv = KVCache.create(cfg, 16, 4, jnp.bfloat16)
+    i32 = jnp.int32
+    batch = ModelInput(jnp.zeros(18, i32), AttentionMetadata(
+        jnp.arange(18, dtype=i32), jnp.arange(0, 19, 3, dtype=i32), jnp.full(6, 3, i32),
+        jnp.zeros((6, 2), i32)), jnp.arange(18, dtype=i32))
+    attend = functools.partial(ragged_paged_attention_tiled, batch_invariant=True)
+    run = functools.partial(forward, cfg=cfg, attention_fn=attend, batch_invariant=True)
+    rows = _dot_rows(jax.make_jaxpr(run)(params, kv, batch).jaxpr)
+    assert rows and all(invariant_rows(r) == r for r in rows), rows
+    assert 20 in rows and 18 not in rows
+    logits, _ = run(params, kv, batch)
+    assert logits.shape == (18, cfg.vocab_size)
 
 
 @pytest.mark.parametrize("width", [128, 384, 960])

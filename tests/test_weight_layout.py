@@ -152,7 +152,7 @@ def test_a_deterministic_target_takes_a_layout_whose_dots_are_batch_invariant(
     monkeypatch.setenv(weight_layout.ENV, "auto")
     _, fake = fake_probe("measure", sorted)
     fake({"in_out": 1.0, "out_in": 1.02})  # "in_out" the faster
-    differs = {"in_out": "a float32 dot's first row differs between 4 and 64 rows"}
+    differs = {"in_out": "row 0 of a float32 dot differs between 4 and 260 rows"}
     probed = []
 
     def probe(dtype_name, shapes, layout):
@@ -163,7 +163,7 @@ def test_a_deterministic_target_takes_a_layout_whose_dots_are_batch_invariant(
     assert weight_layout.choose(cfg, params) == "in_out" and not probed  # no mode, no probe
     assert weight_layout.choose(cfg, params, batch_invariant=True) == "out_in"
     assert probed[0] == ("bfloat16", "in_out", projection_shapes(cfg))
-    assert ("'in_out' is faster but not batch-invariant here: a float32 dot's first row "
+    assert ("'in_out' is faster but not batch-invariant here: row 0 of a float32 dot "
             "differs") in capsys.readouterr().err
     assert weight_layout.choose(cfg, params) == "in_out"  # cached apart
     # where neither layout's dots are invariant the faster stays (and the engine warns)
