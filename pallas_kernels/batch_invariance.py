@@ -63,7 +63,7 @@ class BatchInvarianceWarning(UserWarning):
 
 def invariant_rows(rows: int) -> int:
     """The rows a batch-invariant dot over ``rows`` rows runs: at least ``MIN_DOT_ROWS``, and past
-    ``ROW_PANEL`` a multiple of it."""
+    ``ROW_PANEL`` rows a multiple of ``MIN_DOT_ROWS``."""
     if rows <= ROW_PANEL:
         return max(rows, MIN_DOT_ROWS)
     return -(-rows // MIN_DOT_ROWS) * MIN_DOT_ROWS
