@@ -3,6 +3,7 @@ the runner's draft offload and reload, and the engine driving forced cycles loss
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from conftest import ENGINE_VOCAB, make_engine, run_to_completion
@@ -303,17 +304,36 @@ def test_offloaded_draft_is_never_run(elastic_engine):
     assert seen_offloaded
 
 
+def _reload_lands_at_once(engine) -> None:
+    """The draft's reload waited for at the first check: a reload otherwise lands at whichever
+    step its copy finishes by, so on a busy machine two runs speculate from different steps, and
+    a seeded request's draws (keyed by its length at each step) differ with them."""
+    runner_ = engine.runner
+    check = runner_.draft_ready
+
+    def ready() -> bool:
+        if not runner_.draft_resident and runner_.draft_kv is not None:
+            jax.block_until_ready((runner_.draft.params, runner_.draft_kv))
+        return check()
+
+    runner_.draft_ready = ready
+
+
 def test_sampling_with_seeds_is_reproducible_across_cycles(elastic_engine, engine_models):
-    """Seeded sampling through expand/contract cycles: the same outputs on a second run (the
-    cycles land at the same steps, and a seed fixes every draw)."""
+    """Seeded sampling through expand/contract cycles: the same outputs and the same cycles on a
+    second run (with the reload landing at a fixed step, every step's plan repeats, and a seed
+    fixes every draw)."""
     sp = SamplingParams(max_tokens=30, temperature=0.9, seed=11, ignore_eos=True)
     target, draft, _ = engine_models
-    runs = []
+    runs, cycles = [], []
     for _ in range(2):
         engine = make_engine(target, draft, policy=LoadPolicy(7, 3), **ELASTIC_KW)
-        done, _ = _drive(engine, _burst(seed=5), sp)
+        _reload_lands_at_once(engine)
+        done, states = _drive(engine, _burst(seed=5), sp)
         assert engine.metrics.num_pool_expansions >= 1
         runs.append({k: v.token_source for k, v in done.items()})
+        cycles.append(states)
+    assert cycles[0] == cycles[1]
     assert runs[0] == runs[1]
 
 
