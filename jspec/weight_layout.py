@@ -15,7 +15,7 @@ CPU, core count, jax version, dtype and shapes beside the step-time profiles
 deterministic mode the faster layout is kept only where this backend's dots in it are
 batch-invariant for the model's shapes (``jspec.kernels.batch_invariance.probe_shapes``), else
 the other where its are: on a 2-vCPU Intel Xeon with AMX float32 dots of ``[in, out]`` weights
-change their order at 64 rows, those of ``[out, in]`` ones do not.
+change their order at 51 rows, those of ``[out, in]`` ones do not.
 
 The target's layer weights are held stacked (one ``[L, ...]`` array per weight, the forward a
 scan over layers) or in a buffer per layer (the forward unrolled; models/params.py). XLA:CPU

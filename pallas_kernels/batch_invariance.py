@@ -160,7 +160,8 @@ def probe_shapes(dtype_name: str, shapes, layout: str = "in_out") -> str | None:
 
 
 def warn_if_unsupported(dtype_name: str, shapes, layout: str = "in_out") -> None:
-    """Warn once per shape if ``probe_shapes`` finds this backend's dots batch-dependent."""
+    """Warn, naming the first product that differs, if ``probe_shapes`` finds this backend's
+    dots batch-dependent."""
     reason = probe_shapes(dtype_name, shapes, layout)
     if reason is not None:
         warnings.warn(f"deterministic mode cannot make logits batch-invariant on this backend: "
