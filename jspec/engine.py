@@ -181,6 +181,13 @@ class LLMEngine:
         blocks were cached."""
         return self.block_manager.reset_prefix_cache()
 
+    def reset_suffix_cache(self) -> int:
+        """Forget the finished requests' outputs that suffix decoding drafts from, e.g. so that
+        a benchmark's warm-up requests do not hand the measured ones their own outputs as
+        drafts; running requests join the cache when they finish. Returns how many outputs
+        were forgotten (0 without suffix decoding)."""
+        return sum(p.reset_cache() for p in self.planner.spec.proposers.values())
+
     # ------------------------------------------------------------------ policy state
     def save_policy_state(self, path: str) -> None:
         """Write the policy's learned state (bandit statistics, EMAs) as JSON, so a restarted

@@ -215,6 +215,13 @@ def test_suffix_global_tree_holds_finished_outputs_and_evicts_the_oldest():
     prop._running[id(second)] = second
     prop._retire_finished()  # one cached request at most: a's output goes
     assert prop.draft(fresh, 3) == [] and prop.draft(seq("d", [20, 21]), 2) == [22]
+    assert prop.reset_cache() == 1  # c's output forgotten
+    assert prop.draft(seq("d", [20, 21]), 2) == [] and prop.global_tree.num_nodes == 1
+    third = seq("e", [4], [30, 31, 32])  # a request running through the reset joins later
+    prop._running[id(third)] = third
+    third.status = SequenceStatus.FINISHED_LENGTH
+    prop._retire_finished()
+    assert prop.draft(seq("f", [30, 31]), 2) == [32]
 
 
 @pytest.mark.parametrize("policy,method", [("static", "suffix"), ("auto", "ngram+suffix")])
@@ -238,6 +245,9 @@ def test_every_finished_output_joins_the_global_suffix_tree_before_the_next_draf
     for i, out in outs.items():
         assert suffix.global_tree.count(out.token_ids[:4]) >= 1, f"request {i}"
     assert suffix.global_tree.count([40, 41, 42]) == 0  # their requests are not over yet
+    # the engine forgets them, as a benchmark forgets its warm-up requests
+    assert engine.reset_suffix_cache() == len(outs)
+    assert all(suffix.global_tree.count(out.token_ids[:4]) == 0 for out in outs.values())
 
 
 def test_survey_skips_a_token_still_on_device_and_keeps_drafts_for_the_step():

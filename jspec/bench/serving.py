@@ -56,9 +56,10 @@ engine option ``async_scheduling=False``). Every run's metrics count the steps t
 
 ``--warmup-requests N`` lets each adaptive policy (not off / static) serve the first N requests of
 the schedule, unmeasured, on the engine it is then measured on (policy state kept, engine counters
-reset, prefix cache emptied): a long-running server's state rather than a cold start. ``--synthetic
-SHAPE`` and ``--synthetic-acceptance SPEC`` select the cost-realistic mode (``jspec.synthetic``);
-its results are labelled SYNTHETIC in the table, the JSON and the figures.
+reset, prefix cache and suffix decoding's cache of outputs emptied): a long-running server's state
+rather than a cold start. ``--synthetic SHAPE`` and ``--synthetic-acceptance SPEC`` select the
+cost-realistic mode (``jspec.synthetic``); its results are labelled SYNTHETIC in the table, the JSON
+and the figures.
 
 Policies: ``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE]`` (``static:gamma=2``); ``--policy-option
 KEY=VALUE`` applies to every listed policy except ``off``, ``--policy-option NAME.KEY=VALUE`` to
@@ -802,7 +803,10 @@ def _drive_policy(policy: dict, args: argparse.Namespace, engine, requests,
             with StepRecorder(engine) as warm_recorder:
                 driver.run(warm, warm_recorder, progress=False)
             engine.reset_metrics()
-            engine.reset_prefix_cache()  # the measured requests must not find the warm-up's
+            # the measured requests must not find the warm-up's prefixes, nor (greedy, the
+            # same prompts) their own outputs as suffix decoding's drafts
+            engine.reset_prefix_cache()
+            engine.reset_suffix_cache()
             warmup_s = time.perf_counter() - start
             start = time.perf_counter()
         with StepRecorder(engine) as recorder:

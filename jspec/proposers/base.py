@@ -63,6 +63,11 @@ class Proposer(abc.ABC):
         draft tokens verified and the target kept ``num_accepted``: keep the drafter's state in
         step (what its KV pool still holds validly)."""
 
+    def reset_cache(self) -> int:
+        """Forget what the drafter keeps from finished requests (suffix decoding's tree of their
+        outputs); returns how many requests' outputs it forgot. Nothing by default."""
+        return 0
+
     def replay(self, st: "StepState"):
         """A call that drafts again on ``st``'s inputs (benchmarks time it beside the step), or
         None where that cannot be repeated alone."""

@@ -290,6 +290,13 @@ class SuffixProposer(LookupProposer):
                 if len(self._cached) > self.max_cached_requests:
                     self.global_tree.remove(self._cached.popleft())
 
+    def reset_cache(self) -> int:
+        """Empty the global tree; requests still running join it when they finish."""
+        forgotten = len(self._cached)
+        self.global_tree = SuffixTree(self.max_depth)
+        self._cached.clear()
+        return forgotten
+
     def draft(self, seq, gamma: int) -> list[int]:
         return self.draft_with_probs(seq, gamma)[0]
 
