@@ -65,8 +65,9 @@ def _run_one(target, draft, method: str, batch: int, gamma: int, prompts, warm_p
     accepted = sum(int(r.num_accepted.sum()) for r in records)
     rows = sum(int((r.num_drafted > 0).sum()) for r in records)
     # the stages' times from a second pass over the same prompts, each stage synced so the
-    # drafter's time is its own
+    # drafter's time is its own, with the first pass's outputs forgotten as drafts
     engine.time_stages = True
+    engine.reset_suffix_cache()
     records.clear()
     llm.generate(prompts, sp, use_tqdm=False)
     drafting = [r for r in records if r.gamma_bucket]
