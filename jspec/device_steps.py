@@ -50,7 +50,6 @@ class StepOptions:
     with_stats: bool = False
     aux_layers: tuple[int, ...] = ()
     eagle: Any = None  # the EagleConfig of a head that drafts (models/eagle_checkpoint.py)
-    widen: bool = False  # the head's draft loop widens its dot weights first (eagle.widened)
 
     def forward(self, params: dict, kv: KVCache, batch: ModelInput, attention_fn=None):
         return forward(params, kv, batch, cfg=self.cfg,
@@ -156,8 +155,6 @@ def eagle_draft_loop(params: dict, kv: KVCache, target_h: jax.Array, inputs: Dra
     The loop samples over the draft vocabulary: the same distribution as over the target's
     with q = 0 outside it, at the draft vocabulary's cost (the built-in head's is half the
     target's). The drafted ids and the returned q are in the target's vocabulary."""
-    if opts.widen:
-        params = eagle.widened(params)
     hidden = eagle.fuse_hidden(params, eagle.gather_hidden(target_h, inputs.first))
     logits0, carry, kv = opts.eagle_forward(params, kv, hidden, inputs.first)
 

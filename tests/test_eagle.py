@@ -291,10 +291,10 @@ def test_a_head_drafts_in_bfloat16(repeating_target, trained_head):
 
 def test_a_one_row_draft_loop_in_bfloat16_drafts_the_same_with_widened_weights(
         repeating_target, trained_head):
-    """One sequence in bf16: the head's draft loop that widens its dot weights to float32
-    before its iterations (what the runner compiles where XLA widens one-row bf16 dots) drafts
-    the same tokens, and q up to rounding (its first forward's several-token products are
-    float32 ones there), as the loop that leaves XLA to widen them."""
+    """One sequence in bf16: the head's draft loop over the runner's float32 copy of its dot
+    weights (what the runner passes where XLA widens one-row bf16 dots) drafts the same
+    tokens, and q up to rounding (its first forward's several-token products are float32
+    ones there), as the loop over the bf16 weights."""
     engine = make_engine(_bf16(repeating_target), _bf16(trained_head[1]),
                          make_policy("static", 4, gamma=4), dtype="bfloat16",
                          speculative_method="eagle3", async_scheduling=False)
@@ -306,12 +306,19 @@ def test_a_one_row_draft_loop_in_bfloat16_drafts_the_same_with_widened_weights(
     model = st.proposer.model
     head = runner.pool[model]
     assert widens_one_row_dots("float32") is False
+    assert runner.draft_params(model, 2) is head.params
+    if not widens_one_row_dots("bfloat16"):  # an XLA that multiplies one bf16 row as it is
+        assert runner.draft_params(model, 1) is head.params
+        return
+    wide = runner.draft_params(model, 1)
+    assert wide is runner.draft_params(model, 1)  # made once
+    assert wide["lm_head"].dtype == jnp.float32 and wide["layer"]["wqkv"].dtype == jnp.float32
+    assert wide["embed"].dtype == head.params["embed"].dtype  # gathered, not multiplied
+    opts = StepOptions(head.cfg, runner._attn, num_steps=st.gamma, eagle=head.eagle)
+    loop = jax.jit(functools.partial(eagle_draft_loop, opts=opts))
     drafts = []
-    for widen in (False, True):
-        opts = StepOptions(head.cfg, runner._attn, num_steps=st.gamma, eagle=head.eagle,
-                           widen=widen)
-        loop = jax.jit(functools.partial(eagle_draft_loop, opts=opts))
-        result, _, _ = loop(head.params, runner.pool_kv[model], runner.target_kv.h,
+    for params in (head.params, wide):
+        result, _, _ = loop(params, runner.pool_kv[model], runner.target_kv.h,
                             st.draft_inputs, st.sampling)
         drafts.append((np.asarray(result.tokens), np.asarray(result.logits)))
     np.testing.assert_array_equal(drafts[0][0], drafts[1][0])
