@@ -2,14 +2,18 @@
 model, the EAGLE-3 head and the lookups, at a fixed γ, one request at a time (B = 1) and as a
 full batch (B = 32).
 
-For each batch size and drafter (and plain decoding as the baseline) an engine generates greedy
+For each batch size, an engine per drafter (and one decoding plainly, the baseline), each first
+run on two other prompts (an engine's first steps). Then every engine generates greedy
 completions of the held-out split's function prompts (``heldout_function_prompts``: modules the
-built-in models never trained on) twice, after two other prompts (an engine's first steps): once as
-it serves, for the throughput and acceptance, and once with the stages of every step timed apart
-(synced), for the stage times. The report gives the acceptance rate (accepted / drafted), the mean
-accepted length per drafting step, the drafter's own time per drafting step (its forwards and
-catch-up; nothing for a lookup's host work, which counts in the step), the whole step's time, and
-the throughput over plain decoding's. All in one process, so the ratios compare like with like.
+built-in models never trained on) as it serves, once per round, every other round in reverse
+order (``--rounds``: on a machine whose speed drifts, engines run one after another are not
+compared like with like); each pass starts from empty prefix and suffix caches, so no pass
+drafts from or reuses an earlier one's outputs. Throughput and acceptance sum over the rounds.
+Last, a pass per engine with the stages of every step timed apart (synced), for the stage
+times. The report gives the acceptance rate (accepted / drafted), the mean accepted length per
+drafting step, the drafter's own time per drafting step (its forwards and catch-up; nothing for
+a lookup's host work, which counts in the step), the whole step's time, and the throughput
+over plain decoding's. All in one process, so the ratios compare like with like.
 """
 
 from __future__ import annotations
@@ -35,52 +39,89 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64,
                         help="prompts per batch size (B = 1 runs a quarter of them)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="measured passes per engine, every other round in reverse order "
+                             "(default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
 
 
-def _run_one(target, draft, method: str, batch: int, gamma: int, prompts, warm_prompts,
-             max_tokens: int):
-    from jspec.llm import LLM
-    from jspec.sampling_params import SamplingParams
+class _Engine:
+    """One drafter's engine (``off``: plain decoding) and what its measured passes added up."""
 
-    spec = {} if method == "off" else {"speculative_method": method}
-    llm = LLM(target=target, draft=draft, policy="off" if method == "off" else "static",
-              num_speculative_tokens=gamma, max_num_seqs=batch, use_tqdm=False, **spec)
-    engine = llm.engine
-    records = []
-    engine.add_step_listener(records.append)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    # the first steps of a fresh engine (its shapes compiled at start-up) on other prompts:
-    # suffix decoding drafts from the outputs of finished requests, and the measured prompts'
-    # own would be drafts no server sees
-    llm.generate(warm_prompts, sp, use_tqdm=False)
-    # throughput and acceptance from a pass that never waits between stages: a sync after
-    # each one costs a drafting step more than a plain one (a round trip per stage on a GPU)
-    records.clear()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    drafted = sum(int(r.num_drafted.sum()) for r in records)
-    accepted = sum(int(r.num_accepted.sum()) for r in records)
-    rows = sum(int((r.num_drafted > 0).sum()) for r in records)
-    # the stages' times from a second pass over the same prompts, each stage synced so the
-    # drafter's time is its own, with the first pass's outputs forgotten as drafts
-    engine.time_stages = True
-    engine.reset_suffix_cache()
-    records.clear()
-    llm.generate(prompts, sp, use_tqdm=False)
-    drafting = [r for r in records if r.gamma_bucket]
-    decode_steps = [r for r in records if not r.num_prefill_tokens]
-    return {
-        "drafter": method, "batch": batch, "tokens": tokens, "seconds": seconds,
-        "tok_per_s": tokens / seconds,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accepted_length": (accepted + rows) / rows if rows else 1.0,
-        "draft_ms_per_step": 1e3 * sum(r.draft_time + r.catch_up_time for r in drafting)
-        / max(len(drafting), 1),
-        "step_ms": 1e3 * sum(r.step_time for r in decode_steps) / max(len(decode_steps), 1),
-    }
+    def __init__(self, target, draft, method: str, batch: int, gamma: int, warm_prompts, sp):
+        from jspec.llm import LLM
+
+        spec = {} if method == "off" else {"speculative_method": method}
+        self.method, self.batch, self.sp = method, batch, sp
+        self.llm = LLM(target=target, draft=draft, policy="off" if method == "off" else "static",
+                       num_speculative_tokens=gamma, max_num_seqs=batch, use_tqdm=False,
+                       **spec)
+        self.records = []
+        self.llm.engine.add_step_listener(self.records.append)
+        # the first steps of a fresh engine (its shapes compiled at start-up) on other prompts
+        self.llm.generate(warm_prompts, sp, use_tqdm=False)
+        self.tokens = self.seconds = self.drafted = self.accepted = self.rows = 0
+
+    def _fresh_pass(self, prompts):
+        """Generate ``prompts`` from empty caches: suffix decoding drafts from the outputs of
+        finished requests and the prefix cache holds the prompts' blocks, and a server would
+        see neither from an earlier pass over the same prompts."""
+        engine = self.llm.engine
+        engine.reset_suffix_cache()
+        engine.reset_prefix_cache()
+        self.records.clear()
+        return self.llm.generate(prompts, self.sp, use_tqdm=False)
+
+    def measure(self, prompts) -> None:
+        """One pass as the engine serves, never waiting between stages (a sync after each
+        one costs a drafting step more than a plain one: a round trip per stage on a GPU)."""
+        start = time.perf_counter()
+        outs = self._fresh_pass(prompts)
+        self.seconds += time.perf_counter() - start
+        self.tokens += sum(len(o.token_ids) for o in outs)
+        self.drafted += sum(int(r.num_drafted.sum()) for r in self.records)
+        self.accepted += sum(int(r.num_accepted.sum()) for r in self.records)
+        self.rows += sum(int((r.num_drafted > 0).sum()) for r in self.records)
+
+    def result(self, prompts, rounds: int) -> dict:
+        """The stage times from a pass with every stage synced, so the drafter's time is its
+        own; with what the measured passes added up."""
+        self.llm.engine.time_stages = True
+        self._fresh_pass(prompts)
+        drafting = [r for r in self.records if r.gamma_bucket]
+        decode_steps = [r for r in self.records if not r.num_prefill_tokens]
+        drafted, accepted, rows = self.drafted, self.accepted, self.rows
+        return {
+            "drafter": self.method, "batch": self.batch, "rounds": rounds,
+            "tokens": self.tokens, "seconds": self.seconds,
+            "tok_per_s": self.tokens / self.seconds,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": (accepted + rows) / rows if rows else 1.0,
+            "draft_ms_per_step": 1e3 * sum(r.draft_time + r.catch_up_time for r in drafting)
+            / max(len(drafting), 1),
+            "step_ms": 1e3 * sum(r.step_time for r in decode_steps) / max(len(decode_steps), 1),
+        }
+
+
+def _compare(target, models: dict, methods: list[str], batch: int, args, prompts, warm, sp
+             ) -> list[dict]:
+    """One batch size: every method's engine, the measured rounds, then each one's result (the
+    engines are dropped on return, before the next batch size's are built)."""
+    engines = [_Engine(target, models.get(m), m, batch, args.gamma, warm, sp) for m in methods]
+    for rnd in range(args.rounds):
+        for e in (engines if rnd % 2 == 0 else engines[::-1]):
+            e.measure(prompts)
+    results, base = [], None
+    for e in engines:
+        r = e.result(prompts, args.rounds)
+        base = base or r["tok_per_s"]
+        r["vs_off"] = r["tok_per_s"] / base
+        results.append(r)
+        print(f"B={batch:<3} {e.method:<12} {r['tok_per_s']:8.1f} tok/s ({r['vs_off']:.2f}x "
+              f"off)  acceptance {r['acceptance_rate']:.3f}  accepted length "
+              f"{r['mean_accepted_length']:.2f}  drafter {r['draft_ms_per_step']:.2f} "
+              f"ms/step  step {r['step_ms']:.2f} ms", file=sys.stderr)
+    return results
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jspec.default_models import default_head, default_pair
     from jspec.models.corpus import heldout_function_prompts
+    from jspec.sampling_params import SamplingParams
 
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     bad = [d for d in drafters if d not in _DRAFTERS]
@@ -98,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--batch-sizes takes comma-separated integers, got "
                          f"{args.batch_sizes!r}") from None
-    if args.gamma < 1 or args.num_prompts < 1 or args.max_tokens < 1 or min(batches) < 1:
-        raise ValueError("--gamma, --num-prompts, --max-tokens and batch sizes must be >= 1")
+    if (args.gamma < 1 or args.num_prompts < 1 or args.max_tokens < 1 or args.rounds < 1
+            or min(batches) < 1):
+        raise ValueError("--gamma, --num-prompts, --max-tokens, --rounds and batch sizes must "
+                         "be >= 1")
     if args.target is not None and ("draft_model" in drafters and args.draft is None
                                     or "eagle3" in drafters and args.head is None):
         raise ValueError("with --target, give --draft and --head for the drafters that need "
@@ -118,20 +162,12 @@ def run(args: argparse.Namespace) -> int:
     # the warm-up's two prompts: others where the split has them, else two measured ones
     warm = held[args.num_prompts:args.num_prompts + 2]
     warm = warm if len(warm) == 2 else prompts[:2]
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     results = []
     for batch in batches:
         n = len(prompts) if batch > 1 else max(2, len(prompts) // 4)
-        base = None
-        for method in ["off"] + drafters:
-            r = _run_one(target, models.get(method), method, batch, args.gamma, prompts[:n],
-                         warm, args.max_tokens)
-            base = base or r["tok_per_s"]
-            r["vs_off"] = r["tok_per_s"] / base
-            results.append(r)
-            print(f"B={batch:<3} {method:<12} {r['tok_per_s']:8.1f} tok/s ({r['vs_off']:.2f}x "
-                  f"off)  acceptance {r['acceptance_rate']:.3f}  accepted length "
-                  f"{r['mean_accepted_length']:.2f}  drafter {r['draft_ms_per_step']:.2f} "
-                  f"ms/step  step {r['step_ms']:.2f} ms", file=sys.stderr)
+        results += _compare(target, models, ["off"] + drafters, batch, args, prompts[:n],
+                            warm, sp)
     print(f"\n| B | drafter | tok/s | x off | acceptance | accepted length / step | "
           f"drafter ms / step | step ms |")
     print("|---|---|---|---|---|---|---|---|")

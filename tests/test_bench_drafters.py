@@ -1,0 +1,54 @@
+"""`jspec bench drafters`: its argument checks and its schedule of measured passes (every
+engine once per round, every other round in reverse order). No timing assertions."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from jspec.bench import drafters
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    drafters.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--rounds", "0"), "--rounds"),
+    (("--drafters", "draft_model,medusa"), "medusa"),
+    (("--batch-sizes", "1,x"), "comma-separated integers"),
+])
+def test_bad_arguments_are_refused_before_any_engine_is_built(argv, match):
+    with pytest.raises(ValueError, match=match):
+        drafters.run(_parse(*argv))
+
+
+def test_every_engine_is_measured_once_per_round_in_palindromic_order(monkeypatch):
+    passes = []
+
+    class Recording:
+        """Stands in for an engine: records its measured passes and reports their count."""
+
+        def __init__(self, target, draft, method, batch, gamma, warm, sp):
+            self.method, self.batch, self.count = method, batch, 0
+
+        def measure(self, prompts):
+            passes.append(self.method)
+            self.count += 1
+
+        def result(self, prompts, rounds):
+            return {"drafter": self.method, "batch": self.batch, "rounds": rounds,
+                    "tok_per_s": 10.0 * self.count, "acceptance_rate": 0.0,
+                    "mean_accepted_length": 1.0, "draft_ms_per_step": 0.0, "step_ms": 1.0}
+
+    monkeypatch.setattr(drafters, "_Engine", Recording)
+    args = _parse("--rounds", "3")
+    results = drafters._compare("t", {}, ["off", "ngram", "suffix"], 1, args, ["p"], ["w"],
+                                None)
+    assert passes == ["off", "ngram", "suffix", "suffix", "ngram", "off",
+                      "off", "ngram", "suffix"]
+    assert [r["drafter"] for r in results] == ["off", "ngram", "suffix"]
+    assert all(r["rounds"] == 3 and r["vs_off"] == 1.0 for r in results)
