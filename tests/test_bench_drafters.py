@@ -1,5 +1,5 @@
-"""`jspec bench drafters`: its argument checks and its schedule of measured passes (every
-engine once per round, every other round in reverse order). No timing assertions."""
+"""`jspec bench drafters`: its argument checks, its schedule of measured passes (every engine
+once per round, every other round in reverse order) and its ratios. No timing assertions."""
 
 from __future__ import annotations
 
@@ -42,13 +42,17 @@ def test_every_engine_is_measured_once_per_round_in_palindromic_order(monkeypatc
         def result(self, prompts, rounds):
             return {"drafter": self.method, "batch": self.batch, "rounds": rounds,
                     "tok_per_s": 10.0 * self.count, "acceptance_rate": 0.0,
-                    "mean_accepted_length": 1.0, "draft_ms_per_step": 0.0, "step_ms": 1.0}
+                    "mean_accepted_length": 1.0, "step_ms": 1.0,
+                    "draft_ms_per_step": {"off": 0.0, "draft_model": 4.0, "eagle3": 1.0}[
+                        self.method]}
 
     monkeypatch.setattr(drafters, "_Engine", Recording)
     args = _parse("--rounds", "3")
-    results = drafters._compare("t", {}, ["off", "ngram", "suffix"], 1, args, ["p"], ["w"],
-                                None)
-    assert passes == ["off", "ngram", "suffix", "suffix", "ngram", "off",
-                      "off", "ngram", "suffix"]
-    assert [r["drafter"] for r in results] == ["off", "ngram", "suffix"]
+    results = drafters._compare("t", {}, ["off", "draft_model", "eagle3"], 1, args, ["p"],
+                                ["w"], None)
+    assert passes == ["off", "draft_model", "eagle3", "eagle3", "draft_model", "off",
+                      "off", "draft_model", "eagle3"]
+    assert [r["drafter"] for r in results] == ["off", "draft_model", "eagle3"]
     assert all(r["rounds"] == 3 and r["vs_off"] == 1.0 for r in results)
+    # each drafter's time per drafting step against the draft model's
+    assert [r["vs_draft_model_time"] for r in results] == [None, 1.0, 0.25]

@@ -12,8 +12,8 @@ drafts from or reuses an earlier one's outputs. Throughput and acceptance sum ov
 Last, a pass per engine with the stages of every step timed apart (synced), for the stage
 times. The report gives the acceptance rate (accepted / drafted), the mean accepted length per
 drafting step, the drafter's own time per drafting step (its forwards and catch-up; nothing for
-a lookup's host work, which counts in the step), the whole step's time, and the throughput
-over plain decoding's. All in one process, so the ratios compare like with like.
+a lookup's host work, which counts in the step) and that time over the draft model's, the
+whole step's time, and the throughput over plain decoding's. All in one process, so the ratios compare like with like.
 """
 
 from __future__ import annotations
@@ -117,10 +117,19 @@ def _compare(target, models: dict, methods: list[str], batch: int, args, prompts
         base = base or r["tok_per_s"]
         r["vs_off"] = r["tok_per_s"] / base
         results.append(r)
+    # each drafter's time per drafting step over the draft model's, where it ran (a head's
+    # goal: at most half of it)
+    model = next((r for r in results if r["drafter"] == "draft_model"), None)
+    for r in results:
+        r["vs_draft_model_time"] = (r["draft_ms_per_step"] / model["draft_ms_per_step"]
+                                    if model and model["draft_ms_per_step"] > 0
+                                    and r["drafter"] != "off" else None)
+    for e, r in zip(engines, results):
         print(f"B={batch:<3} {e.method:<12} {r['tok_per_s']:8.1f} tok/s ({r['vs_off']:.2f}x "
               f"off)  acceptance {r['acceptance_rate']:.3f}  accepted length "
               f"{r['mean_accepted_length']:.2f}  drafter {r['draft_ms_per_step']:.2f} "
-              f"ms/step  step {r['step_ms']:.2f} ms", file=sys.stderr)
+              f"ms/step ({_ratio(r['vs_draft_model_time'])} the draft model's)  step "
+              f"{r['step_ms']:.2f} ms", file=sys.stderr)
     return results
 
 
@@ -169,13 +178,18 @@ def run(args: argparse.Namespace) -> int:
         results += _compare(target, models, ["off"] + drafters, batch, args, prompts[:n],
                             warm, sp)
     print(f"\n| B | drafter | tok/s | x off | acceptance | accepted length / step | "
-          f"drafter ms / step | step ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"drafter ms / step | x draft model's | step ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['batch']} | {r['drafter']} | {r['tok_per_s']:.1f} | {r['vs_off']:.2f} | "
               f"{r['acceptance_rate']:.3f} | {r['mean_accepted_length']:.2f} | "
-              f"{r['draft_ms_per_step']:.2f} | {r['step_ms']:.2f} |")
+              f"{r['draft_ms_per_step']:.2f} | {_ratio(r['vs_draft_model_time'])} | "
+              f"{r['step_ms']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gamma": args.gamma, "results": results}, f, indent=1)
     return 0
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
