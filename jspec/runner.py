@@ -25,8 +25,7 @@ from jspec import device_steps, memory_maps
 from jspec.config import ResolvedConfig, resolve_elastic_pool_layout
 from jspec.sampler import (SamplingTensors, TokenLogprobs, VerifyResult, rejection_sample,
                            sample_tokens, token_logprobs, verify_signals)
-from jspec.models import sharding
-from jspec.models import eagle
+from jspec.models import eagle, sharding
 from jspec.models.config import ModelConfig
 from jspec.models.params import projection_shapes
 from jspec.models.transformer import KVCache, ModelInput

@@ -13,7 +13,8 @@ Last, a pass per engine with the stages of every step timed apart (synced), for 
 times. The report gives the acceptance rate (accepted / drafted), the mean accepted length per
 drafting step, the drafter's own time per drafting step (its forwards and catch-up; nothing for
 a lookup's host work, which counts in the step) and that time over the draft model's, the
-whole step's time, and the throughput over plain decoding's. All in one process, so the ratios compare like with like.
+whole step's time, and the throughput over plain decoding's. All in one process, so the ratios
+compare like with like.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def _compare(target, models: dict, methods: list[str], batch: int, args, prompts
         r["vs_draft_model_time"] = (r["draft_ms_per_step"] / model["draft_ms_per_step"]
                                     if model and model["draft_ms_per_step"] > 0
                                     and r["drafter"] != "off" else None)
-    for e, r in zip(engines, results):
-        print(f"B={batch:<3} {e.method:<12} {r['tok_per_s']:8.1f} tok/s ({r['vs_off']:.2f}x "
+    for r in results:
+        print(f"B={batch:<3} {r['drafter']:<12} {r['tok_per_s']:8.1f} tok/s ({r['vs_off']:.2f}x "
               f"off)  acceptance {r['acceptance_rate']:.3f}  accepted length "
               f"{r['mean_accepted_length']:.2f}  drafter {r['draft_ms_per_step']:.2f} "
               f"ms/step ({_ratio(r['vs_draft_model_time'])} the draft model's)  step "
