@@ -182,12 +182,13 @@ def _tiled_fn(name, q_block):
 def test_tiled_attention_matches_per_token_reference(name):
     """The path the ``reference`` backend runs (one K/V gather per query tile) against the
     per-token oracle, over ragged batches of decode, verification and prefill rows; several
-    chunks of pages (chunk_pages=2) so the online softmax crosses chunk boundaries."""
+    chunks of pages (chunk_pages=2) so the online softmax crosses chunk boundaries. One-token
+    tiles too: over one kv head (gqa8) they take the tiles' products, not the per-token path."""
     _, ref = _fns(name)
     dtype = CASES[name][5]
     default = reference_q_block(T, S)
     assert default == 8  # 48 tokens over 5 rows: tiles of 8
-    fns = [_tiled_fn(name, qb) for qb in (default, 3)]
+    fns = [_tiled_fn(name, qb) for qb in (default, 3, 1)]
 
     @settings(max_examples=8, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
