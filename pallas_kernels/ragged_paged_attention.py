@@ -52,7 +52,7 @@ from jspec.kernels.precision import dot_precision
 from jspec.kernels.pytree import array_dataclass
 
 _MASKED = -1e30  # finite, so fully masked chunks never produce inf - inf
-# where the softmax's exponents are floored: a masked score (-1e30 below the row's maximum) made
+# where the softmax's exponents are floored: a masked score (-1e30 below the row's maximum) makes
 # XLA:CPU's exp produce subnormals, slower per element than normal results, and its exp is
 # replaced by 0 anyway. exp(-80) is 1.8e-35: a floored live term stays below float32's
 # resolution of the row's sum, which holds exp(0) = 1 for the row's maximum.
@@ -302,8 +302,8 @@ def _attend_one_kv_head(qf: jax.Array, q_pos: jax.Array, k_pool, v_pool, layer,
 
     A tile's rows are its (token, query head) pairs and a chunk's columns its key tokens, both
     as they lie in memory, so the scores are rows @ K^T and the output p @ V: neither K nor V is
-    transposed on the way to a product. The general path's per-kv-head layout made XLA:CPU
-    transpose every chunk of V, which took longer than the products: the built-in pair's B = 32
+    transposed on the way to a product. The general path's per-kv-head layout makes XLA:CPU
+    transpose every chunk of V, which takes longer than the products: the built-in pair's B = 32
     draft loops run 1.24-1.29x faster this way (2-vCPU Intel Xeon). ``batch_invariant``: the
     rows are padded as the mode pads a dot's (``invariant_rows``)."""
     num_tiles, q_block, num_heads, head_dim = qf.shape
