@@ -9,8 +9,9 @@ built-in models never trained on) as it serves, once per round, every other roun
 order (``--rounds``: on a machine whose speed drifts, engines run one after another are not
 compared like with like); each pass starts from empty prefix and suffix caches, so no pass
 drafts from or reuses an earlier one's outputs. Throughput and acceptance sum over the rounds.
-Last, a pass per engine with the stages of every step timed apart (synced), for the stage
-times. The report gives the acceptance rate (accepted / drafted), the mean accepted length per
+Each round then runs a second pass per engine, in the same order, with the stages of every step
+timed apart (synced), for the stage times, which also sum over the rounds: a slow spell of the
+machine falls on every engine's stage times alike, not on one engine's single timed pass. The report gives the acceptance rate (accepted / drafted), the mean accepted length per
 drafting step, the drafter's own time per drafting step (its forwards and catch-up; nothing for
 a lookup's host work, which counts in the step) and that time over the draft model's, the
 whole step's time, and the throughput over plain decoding's. All in one process, so the ratios
@@ -62,6 +63,8 @@ class _Engine:
         # the first steps of a fresh engine (its shapes compiled at start-up) on other prompts
         self.llm.generate(warm_prompts, sp, use_tqdm=False)
         self.tokens = self.seconds = self.drafted = self.accepted = self.rows = 0
+        self.timed_drafting = []   # the synced passes' drafting steps' records
+        self.timed_decode = []     # ... and decode-only steps' records
 
     def _fresh_pass(self, prompts):
         """Generate ``prompts`` from empty caches: suffix decoding drafts from the outputs of
@@ -84,14 +87,22 @@ class _Engine:
         self.accepted += sum(int(r.num_accepted.sum()) for r in self.records)
         self.rows += sum(int((r.num_drafted > 0).sum()) for r in self.records)
 
-    def result(self, prompts, rounds: int) -> dict:
-        """The stage times from a pass with every stage synced, so the drafter's time is its
-        own; with what the measured passes added up."""
-        self.llm.engine.time_stages = True
-        self._fresh_pass(prompts)
-        drafting = [r for r in self.records if r.gamma_bucket]
-        decode_steps = [r for r in self.records if not r.num_prefill_tokens]
+    def time_stages(self, prompts) -> None:
+        """One pass with every stage synced, so the drafter's time is its own (a sync after
+        each stage costs a drafting step more than a plain one, hence apart from ``measure``)."""
+        engine = self.llm.engine
+        engine.time_stages = True
+        try:
+            self._fresh_pass(prompts)
+        finally:
+            engine.time_stages = False
+        self.timed_drafting += [r for r in self.records if r.gamma_bucket]
+        self.timed_decode += [r for r in self.records if not r.num_prefill_tokens]
+
+    def result(self, rounds: int) -> dict:
+        """What the measured passes and the synced ones added up."""
         drafted, accepted, rows = self.drafted, self.accepted, self.rows
+        drafting, decode_steps = self.timed_drafting, self.timed_decode
         return {
             "drafter": self.method, "batch": self.batch, "rounds": rounds,
             "tokens": self.tokens, "seconds": self.seconds,
@@ -110,11 +121,14 @@ def _compare(target, models: dict, methods: list[str], batch: int, args, prompts
     engines are dropped on return, before the next batch size's are built)."""
     engines = [_Engine(target, models.get(m), m, batch, args.gamma, warm, sp) for m in methods]
     for rnd in range(args.rounds):
-        for e in (engines if rnd % 2 == 0 else engines[::-1]):
+        order = engines if rnd % 2 == 0 else engines[::-1]
+        for e in order:
             e.measure(prompts)
+        for e in order:
+            e.time_stages(prompts)
     results, base = [], None
     for e in engines:
-        r = e.result(prompts, args.rounds)
+        r = e.result(args.rounds)
         base = base or r["tok_per_s"]
         r["vs_off"] = r["tok_per_s"] / base
         results.append(r)
