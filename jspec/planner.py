@@ -22,6 +22,10 @@ from jspec.policies import BatchView, DraftStats, Policy
 from jspec.proposers.mixed import MixedProposer
 from jspec.step_state import StepState
 
+# width rules ``Planner._verify_width`` keeps, one per (decoding rows, prompt tokens) seen;
+# past this many (prompt chunks of many lengths) they start over
+_MAX_WIDTH_RULES = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
@@ -50,6 +54,7 @@ class Planner:
         self.draft_resident: Callable[[], bool] = lambda: True
         # the LM head's share of the target's work per token (``executor.head_share``)
         self.head_share = 0.0
+        self._width_rules: dict[tuple[int, int], Callable] = {}  # ``_verify_width``'s
 
     def plan(self, sched) -> StepState:
         """The step's rows, the policy's plan (γ per decoding row, clipped), the γ bucket and
@@ -213,16 +218,31 @@ class Planner:
 
     def _verify_width(self, n: int, prefill_tokens: int):
         """The width rule of ``Executor.verify`` for a step of ``n`` decoding rows and
-        ``prefill_tokens`` prompt tokens (``BatchView.verify_width``)."""
+        ``prefill_tokens`` prompt tokens (``BatchView.verify_width``). One rule per (n,
+        prefill tokens), remembering its widths: a plan prices a dozen candidate steps every
+        step, on the host between two device passes, and the rule's inputs repeat."""
+        rule = self._width_rules.get((n, prefill_tokens))
+        if rule is not None:
+            return rule
+        if len(self._width_rules) >= _MAX_WIDTH_RULES:
+            self._width_rules.clear()
         rc, rows = self.rc, self.rc.seq_bucket(max(n, 1))
+        widths: dict[tuple[int, int, bool], int] = {}
 
-        def width(gammas, gamma: int, model_drafts: bool) -> int:
-            tokens = prefill_tokens + n + int(np.sum(gammas))
-            if prefill_tokens:
-                return rc.token_bucket(min(tokens, rc.max_num_batched_tokens))
-            return rc.decode_verify_width(tokens, rows, gamma, not model_drafts,
-                                          self.head_share)[0]
+        def width(drafted: int, gamma: int, model_drafts: bool) -> int:
+            key = (drafted, gamma, model_drafts)
+            w = widths.get(key)
+            if w is None:
+                tokens = prefill_tokens + n + drafted
+                if prefill_tokens:
+                    w = rc.token_bucket(min(tokens, rc.max_num_batched_tokens))
+                else:
+                    w = rc.decode_verify_width(tokens, rows, gamma, not model_drafts,
+                                               self.head_share)[0]
+                widths[key] = w
+            return w
 
+        self._width_rules[(n, prefill_tokens)] = width
         return width
 
     def after_dispatch(self, st: StepState) -> None:

@@ -72,10 +72,10 @@ class BatchView:
     # are all accepted (suffix decoding's chained frequencies, SuffixDecoding §3.3), NaN past
     # the draft or where the lookup has none (prompt lookup)
     lookup_probs: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    # the engine's verify width: ``verify_width(gammas, g, model_drafts)`` is the padded tokens
-    # of the target's pass if decoding row i verifies gammas[i] drafts at γ bucket g, the draft
-    # model drafting some of them (``model_drafts``) or only lookups; None: n x (1 + g). It
-    # reads the drafts through their sum (the step's n + Σ gammas tokens)
+    # the engine's verify width: ``verify_width(drafted, g, model_drafts)`` is the padded
+    # tokens of the target's pass if the decoding rows verify ``drafted`` = Σ γ_i drafts in
+    # all at γ bucket g, the draft model drafting some of them (``model_drafts``) or only
+    # lookups (the step's n + drafted tokens); None: n x (1 + g)
     verify_width: Any = None
     # () -> (lookup_lengths, lookup_probs): the lookups' survey, which ``surveyed`` runs when a
     # policy reads them (a policy that decodes plainly without planning skips its cost)

@@ -194,7 +194,7 @@ class DrafterChoice:
         if model is not None:
             model_tokens = tables[-1].T[cand_m]  # [C, n]
             gain = np.where(cands.model_runs[:, None], model_tokens - tokens, 0.0)
-        verify_width = view.verify_width or (lambda gammas, g, model_drafts: n * (1 + g))
+        verify_width = view.verify_width or (lambda drafted, g, model_drafts: n * (1 + g))
 
         def choose(worth):
             """Tokens, drafters and catch-up seconds per candidate: the model takes the rows
@@ -205,8 +205,8 @@ class DrafterChoice:
             return (np.where(better, model_tokens, tokens), np.where(better, model, drafters_c),
                     better @ catch_up)
 
-        widths: dict[tuple[int, int, bool], int] = {}  # the engine's width by (Σγ, g, model)
         no_model = model if model is not None else -2  # -1: no draft
+        bucket_gammas = [buckets[b] for b in cands.bucket_list]
 
         def seconds_of(chosen) -> tuple[np.ndarray, np.ndarray]:
             """Each candidate step's seconds without catch-up (its verify width from the rows'
@@ -214,21 +214,16 @@ class DrafterChoice:
             by_model = chosen == no_model
             runs = np.where(by_model.any(axis=1), cand_m, 0)
             gammas = np.where(by_model, cand_m[:, None], np.where(chosen >= 0, lengths, 0))
-            width = []
-            for k, (b, total, r) in enumerate(zip(cands.bucket_list,
-                                                  gammas.sum(axis=1).tolist(), runs.tolist())):
-                key = (total, b, r > 0)
-                w = widths.get(key)
-                if w is None:  # the width rule reads the drafts through their sum; the
-                    # prompt tokens the drafts keep out cost what as many verified tokens do
-                    w = widths[key] = (verify_width(gammas[k], buckets[b], r > 0)
-                                       + float(view.displaced_prompt_tokens(total)))
-                width.append(w)
+            totals = gammas.sum(axis=1)
+            # the width rule reads the drafts through their sum; the prompt tokens the drafts
+            # keep out cost what as many verified tokens do
+            width = np.array([verify_width(total, g, r > 0) for g, total, r in
+                              zip(bucket_gammas, totals.tolist(), runs.tolist())], np.float64)
+            width += view.displaced_prompt_tokens(totals)
             drafts = (chosen >= 0).any(axis=1)
-            return np.asarray(step_time(np.array(width, np.float64), runs, drafts),
-                              np.float64), runs
+            return np.asarray(step_time(width, runs, drafts), np.float64), runs
 
-        plain = step_time(verify_width(np.zeros(n, np.int64), 0, False), 0, False)
+        plain = step_time(verify_width(0, 0, False), 0, False)
         if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
             self._explore += 1
             odd = self._explore % 2 == 1
@@ -238,13 +233,17 @@ class DrafterChoice:
                 k = len(cand_m) - 1 - top + model_gamma if model is not None else len(cand_m) - 1
                 g, best = top, (*[x[k] for x in choose(True)[:2]], model_gamma)
         else:
-            worth = True
+            chosen = priced = None
             if gain is not None and catch_up.any():  # the model's rows worth their catch-up
-                first_tokens, first_drafters, _ = choose(True)
-                rate = first_tokens.sum(axis=1) / seconds_of(first_drafters)[0]
-                worth = gain >= rate[:, None] * catch_up[None, :]
-            final_tokens, final_drafters, extra = choose(worth)
-            seconds, runs = seconds_of(final_drafters)
+                chosen = choose(True)
+                priced = seconds_of(chosen[1])
+                worth = gain >= (chosen[0].sum(axis=1) / priced[0])[:, None] * catch_up[None, :]
+                if ((gain > 1e-9) & ~worth).any():  # a row the model would take is not
+                    chosen = priced = None
+            else:
+                worth = True
+            final_tokens, final_drafters, extra = chosen or choose(worth)
+            seconds, runs = priced or seconds_of(final_drafters)
             values = final_tokens.sum(axis=1) / (seconds + extra)
             values[cands.model_runs & (runs == 0)] = -np.inf  # the same step as without it
             k = int(np.argmax(values))

@@ -93,8 +93,8 @@ def test_a_lone_long_lookup_drafts_where_the_engine_verifies_only_what_was_found
     assert plan.gammas.tolist() == [0] * 8
     # lookups' steps verified at what they found (8 + 4 tokens): row 0 drafts its 4
 
-    def ragged(gammas, g, model_drafts):
-        return 8 * (1 + g) if model_drafts else 8 + int(np.sum(gammas))
+    def ragged(drafted, g, model_drafts):
+        return 8 * (1 + g) if model_drafts else 8 + drafted
 
     plan = choice.plan(dataclasses.replace(view, verify_width=ragged), None, (NGRAM,), BUCKETS,
                        times)
@@ -118,7 +118,7 @@ def test_drafts_in_a_prompts_padding_pay_for_the_prompt_tokens_they_displace():
     nothing waits."""
     choice = DrafterChoice(alpha0=0.6, confidence_z=0.0)
     view = dataclasses.replace(_view([4] * 8, num_prefill_tokens=24),
-                               verify_width=lambda gammas, g, model_drafts: 64)
+                               verify_width=lambda drafted, g, model_drafts: 64)
     for _ in range(30):  # about one drafted token in ten is accepted
         _learn(choice, view, [NGRAM] * 8, [1] + [0] * 7)
     times = _times(1e-3, 1e-3)
