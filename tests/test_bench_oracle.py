@@ -24,8 +24,9 @@ def test_the_oracle_takes_the_fastest_fixed_policy_of_each_prompt():
                         [1.0, 3.0, 1.0, 2.0],    # static
                         [2.0, 2.0, 1.5, 2.0]])   # auto (adaptive: not the oracle's to pick)
     steps = np.array([[40, 10, 20, 30], [5, 15, 5, 10], [8, 8, 6, 8]])
+    plan = np.array([[0.0] * 4, [0.01] * 4, [0.02, 0.02, 0.01, 0.03]])
     report = oracle.compare(seconds, steps, ["off", "static", "auto"], [True, True, False],
-                            ["code", "qa", "code", "qa"])
+                            ["code", "qa", "code", "qa"], plan)
     assert report["best_fixed"] == "static"  # 7 s against off's 10
     assert report["oracle"]["seconds"] == pytest.approx(1 + 1 + 1 + 2)
     assert report["oracle"]["x_best_fixed"] == pytest.approx(7 / 5)
@@ -33,6 +34,9 @@ def test_the_oracle_takes_the_fastest_fixed_policy_of_each_prompt():
     by_label = {p["label"]: p for p in report["policies"]}
     assert by_label["auto"]["x_best_fixed"] == pytest.approx(7 / 7.5)
     assert by_label["off"]["ms_per_step"] == pytest.approx(1e3 * 10 / 100)
+    # the plan stages' host time per step: 0.08 s over auto's 30 steps
+    assert by_label["auto"]["plan_ms_per_step"] == pytest.approx(1e3 * 0.08 / 30)
+    assert by_label["off"]["plan_ms_per_step"] == 0.0
     assert report["categories"]["code"] == {"off": 6.0, "static": 2.0, "auto": 3.5}
 
 
@@ -60,5 +64,6 @@ def test_a_tiny_run_reports_every_policy(tiny_pair, tmp_path, capsys):
     assert [p["label"] for p in report["policies"]] == ["off", "static γ=2 ngram"]
     # two prompts, 4 sampled tokens each (EOS ignored when sampling)
     assert all(p["steps"] >= 2 for p in report["policies"])
+    assert all(p["plan_ms_per_step"] > 0 for p in report["policies"])  # every step plans
     assert sum(report["oracle"]["picks"].values()) == 2
     assert "oracle: the fastest fixed policy per prompt" in capsys.readouterr().out

@@ -10,7 +10,9 @@ that knew each request's best drafter beforehand would have run: its total is th
 choosing per request among those fixed choices can gain over the best single one. An adaptive
 policy may gain more only by choosing per step (or choices the fixed set lacks).
 
-The report: each policy's seconds, steps and seconds per step, its speed against the best
+The report: each policy's seconds, steps and seconds per step, the host time of its steps'
+plan stage per step (the schedule's rows, the policy's decision, the device inputs: host work
+while the device waits, which an adaptive policy's decisions add to), its speed against the best
 fixed policy (time of that policy / own time), the oracle's, and the seconds per prompt
 category.
 """
@@ -91,10 +93,20 @@ def _engines(args: argparse.Namespace, runs: list[dict]) -> list:
         draft = args.draft if drafts_with_model(method) else None
         llm = LLM(target=args.target, draft=draft, policy=run["name"],
                   policy_options=run["options"], use_tqdm=False, **options, **run["engine"])
-        steps = [0]
-        llm.engine.add_step_listener(lambda r, steps=steps: steps.__setitem__(0, steps[0] + 1))
-        llms.append((llm, steps))
+        llms.append((llm, _Counts(llm.engine)))
     return llms
+
+
+class _Counts:
+    """An engine's steps and their plan stages' seconds, from its per-step records."""
+
+    def __init__(self, engine):
+        self.steps, self.plan = 0, 0.0
+        engine.add_step_listener(self._observe)
+
+    def _observe(self, record) -> None:
+        self.steps += 1
+        self.plan += record.stage_times.get("plan", 0.0)
 
 
 def _prompts(args: argparse.Namespace, tokenizer) -> list:
@@ -116,9 +128,11 @@ def _prompts(args: argparse.Namespace, tokenizer) -> list:
 
 
 def compare(seconds: np.ndarray, steps: np.ndarray, labels: list[str], fixed: list[bool],
-            categories: list[str]) -> dict:
-    """The report's numbers from per-(policy, prompt) ``seconds`` and ``steps``."""
+            categories: list[str], plan: np.ndarray | None = None) -> dict:
+    """The report's numbers from per-(policy, prompt) ``seconds``, ``steps`` and ``plan``
+    (the steps' plan stages' seconds; zeros where not given)."""
     totals = seconds.sum(axis=1)
+    plan = np.zeros_like(seconds) if plan is None else plan
     fixed_idx = [i for i, f in enumerate(fixed) if f]
     best = min(fixed_idx, key=lambda i: totals[i])
     oracle = seconds[fixed_idx].min(axis=0)
@@ -126,8 +140,10 @@ def compare(seconds: np.ndarray, steps: np.ndarray, labels: list[str], fixed: li
     return {
         "policies": [{"label": label, "fixed": f, "seconds": float(t),
                       "steps": int(n), "ms_per_step": 1e3 * float(t) / max(int(n), 1),
+                      "plan_ms_per_step": 1e3 * float(h) / max(int(n), 1),
                       "x_best_fixed": float(totals[best] / t)}
-                     for label, f, t, n in zip(labels, fixed, totals, steps.sum(axis=1))],
+                     for label, f, t, n, h in zip(labels, fixed, totals, steps.sum(axis=1),
+                                                  plan.sum(axis=1))],
         "best_fixed": labels[best],
         "oracle": {"seconds": float(oracle.sum()),
                    "x_best_fixed": float(totals[best] / oracle.sum()),
@@ -159,28 +175,30 @@ def run(args: argparse.Namespace) -> int:
     measured = prompts[args.warmup_prompts:]
     seconds = np.zeros((len(llms), len(measured)))
     steps = np.zeros_like(seconds)
+    plan = np.zeros_like(seconds)
     for k, p in enumerate(measured):
         turn = range(len(llms)) if k % 2 == 0 else range(len(llms) - 1, -1, -1)
         for j in turn:
-            llm, count = llms[j]
-            before, start = count[0], time.perf_counter()
+            llm, counts = llms[j]
+            before, planned, start = counts.steps, counts.plan, time.perf_counter()
             llm.generate([p.text], params(args.warmup_prompts + k), use_tqdm=False)
             seconds[j, k] = time.perf_counter() - start
-            steps[j, k] = count[0] - before
+            steps[j, k] = counts.steps - before
+            plan[j, k] = counts.plan - planned
         print(f"prompt {k + 1}/{len(measured)} ({p.category}): "
               + " ".join(f"{s:.3f}" for s in seconds[:, k]), file=sys.stderr)
-    report = compare(seconds, steps, labels, fixed, [p.category for p in measured])
+    report = compare(seconds, steps, labels, fixed, [p.category for p in measured], plan)
     sampled = f", temperature {args.temperature:g}" if args.temperature > 0 else ""
     print(f"\n{len(measured)} {args.workload} prompts, one at a time, {args.max_tokens} tokens "
           f"at most{sampled}, Γmax = {args.num_speculative_tokens}; best fixed: "
           f"{report['best_fixed']}\n")
-    print("| policy | seconds | steps | ms / step | × best fixed |")
-    print("|---|---|---|---|---|")
+    print("| policy | seconds | steps | ms / step | plan ms / step | × best fixed |")
+    print("|---|---|---|---|---|---|")
     for r in report["policies"]:
         print(f"| {r['label']} | {r['seconds']:.2f} | {r['steps']} | {r['ms_per_step']:.2f} | "
-              f"{r['x_best_fixed']:.3f} |")
+              f"{r['plan_ms_per_step']:.3f} | {r['x_best_fixed']:.3f} |")
     o = report["oracle"]
-    print(f"| oracle: the fastest fixed policy per prompt | {o['seconds']:.2f} | | | "
+    print(f"| oracle: the fastest fixed policy per prompt | {o['seconds']:.2f} | | | | "
           f"{o['x_best_fixed']:.3f} |")
     print("\noracle's picks: " + ", ".join(f"{k} {v}" for k, v in o["picks"].items()))
     print("\n| category | " + " | ".join(labels) + " |")
