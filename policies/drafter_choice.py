@@ -233,16 +233,15 @@ class DrafterChoice:
                 k = len(cand_m) - 1 - top + model_gamma if model is not None else len(cand_m) - 1
                 g, best = top, (*[x[k] for x in choose(True)[:2]], model_gamma)
         else:
-            chosen = priced = None
+            first = priced = None  # the choice with every row's catch-up paid, and its price
+            worth = True
             if gain is not None and catch_up.any():  # the model's rows worth their catch-up
-                chosen = choose(True)
-                priced = seconds_of(chosen[1])
-                worth = gain >= (chosen[0].sum(axis=1) / priced[0])[:, None] * catch_up[None, :]
+                first = choose(True)
+                priced = seconds_of(first[1])
+                worth = gain >= (first[0].sum(axis=1) / priced[0])[:, None] * catch_up[None, :]
                 if ((gain > 1e-9) & ~worth).any():  # a row the model would take is not
-                    chosen = priced = None
-            else:
-                worth = True
-            final_tokens, final_drafters, extra = chosen or choose(worth)
+                    first = priced = None
+            final_tokens, final_drafters, extra = first or choose(worth)
             seconds, runs = priced or seconds_of(final_drafters)
             values = final_tokens.sum(axis=1) / (seconds + extra)
             values[cands.model_runs & (runs == 0)] = -np.inf  # the same step as without it
