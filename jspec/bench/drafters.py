@@ -10,8 +10,9 @@ order (``--rounds``: on a machine whose speed drifts, engines run one after anot
 compared like with like); each pass starts from empty prefix and suffix caches, so no pass
 drafts from or reuses an earlier one's outputs. Throughput and acceptance sum over the rounds.
 Each round then runs a second pass per engine, in the same order, with the stages of every step
-timed apart (synced), for the stage times, which also sum over the rounds: a slow spell of the
-machine falls on every engine's stage times alike, not on one engine's single timed pass. The report gives the acceptance rate (accepted / drafted), the mean accepted length per
+timed apart (synced), for the stage times, which also sum over the rounds, so a slow spell of
+the machine falls on every engine's stage times alike. The report gives the acceptance rate
+(accepted / drafted), the mean accepted length per
 drafting step, the drafter's own time per drafting step (its forwards and catch-up; nothing for
 a lookup's host work, which counts in the step) and that time over the draft model's, the
 whole step's time, and the throughput over plain decoding's. All in one process, so the ratios
@@ -63,8 +64,9 @@ class _Engine:
         # the first steps of a fresh engine (its shapes compiled at start-up) on other prompts
         self.llm.generate(warm_prompts, sp, use_tqdm=False)
         self.tokens = self.seconds = self.drafted = self.accepted = self.rows = 0
-        self.timed_drafting = []   # the synced passes' drafting steps' records
-        self.timed_decode = []     # ... and decode-only steps' records
+        # the synced passes' drafter seconds (forwards and catch-up) and drafting steps, and
+        # their decode-only steps' seconds and count
+        self.draft_seconds = self.drafting_steps = self.decode_seconds = self.decode_steps = 0
 
     def _fresh_pass(self, prompts):
         """Generate ``prompts`` from empty caches: suffix decoding drafts from the outputs of
@@ -96,22 +98,24 @@ class _Engine:
             self._fresh_pass(prompts)
         finally:
             engine.time_stages = False
-        self.timed_drafting += [r for r in self.records if r.gamma_bucket]
-        self.timed_decode += [r for r in self.records if not r.num_prefill_tokens]
+        drafting = [r for r in self.records if r.gamma_bucket]
+        decode = [r for r in self.records if not r.num_prefill_tokens]
+        self.draft_seconds += sum(r.draft_time + r.catch_up_time for r in drafting)
+        self.drafting_steps += len(drafting)
+        self.decode_seconds += sum(r.step_time for r in decode)
+        self.decode_steps += len(decode)
 
     def result(self, rounds: int) -> dict:
         """What the measured passes and the synced ones added up."""
         drafted, accepted, rows = self.drafted, self.accepted, self.rows
-        drafting, decode_steps = self.timed_drafting, self.timed_decode
         return {
             "drafter": self.method, "batch": self.batch, "rounds": rounds,
             "tokens": self.tokens, "seconds": self.seconds,
             "tok_per_s": self.tokens / self.seconds,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": (accepted + rows) / rows if rows else 1.0,
-            "draft_ms_per_step": 1e3 * sum(r.draft_time + r.catch_up_time for r in drafting)
-            / max(len(drafting), 1),
-            "step_ms": 1e3 * sum(r.step_time for r in decode_steps) / max(len(decode_steps), 1),
+            "draft_ms_per_step": 1e3 * self.draft_seconds / max(self.drafting_steps, 1),
+            "step_ms": 1e3 * self.decode_seconds / max(self.decode_steps, 1),
         }
 
 
