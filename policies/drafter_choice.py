@@ -77,6 +77,9 @@ _CALIBRATION_DECAY = 0.995
 # the most steps in a row decoded plainly without a plan
 _PLAN_DECAY = 0.8
 _PLAN_EVERY = 8
+# the most decoding rows a plan computes on Python floats (``DrafterChoice._choose_few``);
+# above, on arrays
+_FEW_ROWS = 4
 
 
 class DrafterChoice:
@@ -111,6 +114,11 @@ class DrafterChoice:
     def seq_rates(self, request_ids, drafters) -> np.ndarray:
         """[len(drafters), n]: each sequence's rate of each drafter, its own judged tokens
         shrunk towards the drafter's bound."""
+        return np.array(self._rate_rows(request_ids, drafters), np.float64).reshape(
+            len(request_ids), len(drafters)).T
+
+    def _rate_rows(self, request_ids, drafters) -> list[list[float]]:
+        """``seq_rates`` as a list of rows, one per sequence."""
         priors = [self.drafter_rate(d) for d in drafters]
         out = []
         for rid in request_ids:
@@ -124,7 +132,7 @@ class DrafterChoice:
                 if judged is not None:
                     row[k] = (judged[0] + _REQUEST_PRIOR * priors[k]) / (judged[1] + _REQUEST_PRIOR)
             out.append(row)
-        return np.array(out, np.float64).reshape(len(request_ids), len(drafters)).T
+        return out
 
     def plan(self, view: BatchView, model: int | None, lookups: tuple[int, ...],
              buckets: tuple[int, ...], step_time) -> DraftPlan:
@@ -132,31 +140,56 @@ class DrafterChoice:
         (None: none, or away); ``buckets``: the drafting γ buckets; ``step_time(w, f, d)`` ->
         seconds of a step whose verify is w tokens wide, in which the draft model runs f
         forwards (0: it does not run) and (d) any row drafts (w, f and d may be arrays of
-        candidates), or None while the run
-        cannot price steps yet (then the longest bucket, the draft model running every other
-        step, to learn both; with lookups alone, every other step plain).
+        candidates), or None while the run cannot price steps yet (then the longest bucket,
+        the draft model running every other step, to learn both; with lookups alone, every
+        other step plain).
 
-        It runs on the host between two device passes of every step, so it is written as a
-        few operations on [candidates, rows] arrays (their count, not the rows, is its cost
-        at small batches)."""
+        It runs on the host between two device passes of every step: over a few rows it is
+        computed on Python floats (``_choose_few``), over more as operations on [candidates,
+        rows] arrays (``_choose``), whose count, not the rows, is their cost."""
         n = view.num_decode
         if self._skips_plan():
-            return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
+            return _plain_plan(n)
         started = time.perf_counter()
         view.surveyed()
-        ids = view.request_ids
         cands = self._candidates(buckets, model is not None)
+        verify_width = view.verify_width or (lambda drafted, g, model_drafts: n * (1 + g))
+        plain = step_time(verify_width(0, 0, False), 0, False)
+        choose = self._choose_few if plain is not None and n <= _FEW_ROWS else self._choose
+        g, best, gain = choose(view, model, lookups, buckets, cands, step_time, verify_width,
+                               plain)
+        if plain is not None:
+            self._planned(gain, time.perf_counter() - started)
+        if best is None:
+            return _plain_plan(n)
+        _, chosen, model_gamma = best
+        gammas = np.where(chosen == model, model_gamma, np.where(chosen >= 0, g, 0))
+        # request -> (lookup, its estimates) of the rows given a lookup that estimates its
+        # drafts: calibrated against what the step accepts (``observe``, from the step's own
+        # plan note)
+        ids, probs = view.request_ids, view.lookup_probs
+        predicted = {ids[i]: (d, probs[d][i]) for i, d in enumerate(chosen.tolist())
+                     if d in lookups and probs.get(d) is not None
+                     and not np.isnan(probs[d][i, 0])}
+        return DraftPlan(gammas=gammas.astype(np.int32), drafters=chosen,
+                         note={"predicted": predicted} if predicted else None)
+
+    def _choose(self, view, model, lookups, buckets, cands, step_time, verify_width, plain):
+        """(γ bucket, (tokens, drafter per row, the draft model's γ) or None for a plain
+        step, the plan's predicted gain): the plan as a few operations on [candidates, rows]
+        arrays. ``plain``: a plain step's seconds, None while steps cannot be priced."""
+        n = view.num_decode
         top = cands.top
         # [drafter, n, top + 1]: Σ_{j=0..L} α_{i,d}^j for every length L, lookups then model
         drafters = (*lookups, model) if model is not None else lookups
-        tables = np.cumsum(self.seq_rates(ids, drafters)[:, :, None] ** cands.powers, axis=2)
+        tables = np.cumsum(self.seq_rates(view.request_ids, drafters)[:, :, None]
+                           ** cands.powers, axis=2)
 
         # per bucket: each row's best lookup (tokens, which, its draft length), 1 token, -1 and
         # 0 without one
         look_tokens = np.ones((len(buckets), n))
         look_which = np.full((len(buckets), n), -1, np.int64)
         look_len = np.zeros((len(buckets), n), np.int64)
-        scored: dict[int, np.ndarray] = {}  # lookup -> its rows' own estimates, as given
         rows = np.arange(n)
         for k, d in enumerate(lookups):
             found = view.lookup_lengths.get(d)
@@ -168,7 +201,6 @@ class DrafterChoice:
             if probs is not None:
                 own_rows = ~np.isnan(probs[:, 0])
                 if own_rows.any():
-                    scored[d] = probs
                     # 1 + Σ_{j<L} Π_{k≤j} min(1, κ_k·p_k), p_k = P_k / P_{k-1} the estimate
                     # of token k given those before it; NaN only past a row's draft, which
                     # no length reads
@@ -194,7 +226,6 @@ class DrafterChoice:
         if model is not None:
             model_tokens = tables[-1].T[cand_m]  # [C, n]
             gain = np.where(cands.model_runs[:, None], model_tokens - tokens, 0.0)
-        verify_width = view.verify_width or (lambda drafted, g, model_drafts: n * (1 + g))
 
         def choose(worth):
             """Tokens, drafters and catch-up seconds per candidate: the model takes the rows
@@ -223,45 +254,145 @@ class DrafterChoice:
             drafts = (chosen >= 0).any(axis=1)
             return np.asarray(step_time(width, runs, drafts), np.float64), runs
 
-        plain = step_time(verify_width(0, 0, False), 0, False)
         if plain is None:  # cannot price steps yet: draft the most, learn both step kinds
             self._explore += 1
             odd = self._explore % 2 == 1
-            g, best = 0, None  # lookups alone: every other step plain (StepLine.drafting_steps)
-            if model is not None or odd:
-                model_gamma = top if model is not None and odd else 0
-                k = len(cand_m) - 1 - top + model_gamma if model is not None else len(cand_m) - 1
-                g, best = top, (*[x[k] for x in choose(True)[:2]], model_gamma)
-        else:
-            first = priced = None  # the choice with every row's catch-up paid, and its price
-            worth = True
-            if gain is not None and catch_up.any():  # the model's rows worth their catch-up
-                first = choose(True)
-                priced = seconds_of(first[1])
-                worth = gain >= (first[0].sum(axis=1) / priced[0])[:, None] * catch_up[None, :]
-                if ((gain > 1e-9) & ~worth).any():  # a row the model would take is not
-                    first = priced = None
-            final_tokens, final_drafters, extra = first or choose(worth)
-            seconds, runs = priced or seconds_of(final_drafters)
-            values = final_tokens.sum(axis=1) / (seconds + extra)
-            values[cands.model_runs & (runs == 0)] = -np.inf  # the same step as without it
-            k = int(np.argmax(values))
-            g, best, gain = 0, None, 0.0
-            if values[k] > n / plain:
-                g, best = buckets[cand_b[k]], (final_tokens[k], final_drafters[k], int(cand_m[k]))
-                # its tokens' seconds at plain decoding's rate, less its own
-                gain = float(final_tokens[k].sum() * (plain / n - 1.0 / values[k]))
-            self._planned(gain, time.perf_counter() - started)
-        if best is None:
-            return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
-        _, chosen, model_gamma = best
-        gammas = np.where(chosen == model, model_gamma, np.where(chosen >= 0, g, 0))
-        # request -> (lookup, its estimates) of the rows given a scored lookup: calibrated
-        # against what the step accepts (``observe``, from the step's own plan note)
-        predicted = {ids[i]: (d, scored[d][i]) for i, d in enumerate(chosen.tolist())
-                     if d in scored and not np.isnan(scored[d][i, 0])}
-        return DraftPlan(gammas=gammas.astype(np.int32), drafters=chosen,
-                         note={"predicted": predicted} if predicted else None)
+            if model is None and not odd:  # lookups alone: every other step plain
+                return 0, None, 0.0  # (StepLine.drafting_steps)
+            model_gamma = top if model is not None and odd else 0
+            k = len(cand_m) - 1 - top + model_gamma if model is not None else len(cand_m) - 1
+            return top, (*[x[k] for x in choose(True)[:2]], model_gamma), 0.0
+        first = priced = None  # the choice with every row's catch-up paid, and its price
+        worth = True
+        if gain is not None and catch_up.any():  # the model's rows worth their catch-up
+            first = choose(True)
+            priced = seconds_of(first[1])
+            worth = gain >= (first[0].sum(axis=1) / priced[0])[:, None] * catch_up[None, :]
+            if ((gain > 1e-9) & ~worth).any():  # a row the model would take is not
+                first = priced = None
+        final_tokens, final_drafters, extra = first or choose(worth)
+        seconds, runs = priced or seconds_of(final_drafters)
+        values = final_tokens.sum(axis=1) / (seconds + extra)
+        values[cands.model_runs & (runs == 0)] = -np.inf  # the same step as without it
+        k = int(np.argmax(values))
+        if values[k] <= n / plain:
+            return 0, None, 0.0
+        # the gain: its tokens' seconds at plain decoding's rate, less its own
+        return (buckets[cand_b[k]], (final_tokens[k], final_drafters[k], int(cand_m[k])),
+                float(final_tokens[k].sum() * (plain / n - 1.0 / values[k])))
+
+    def _choose_few(self, view, model, lookups, buckets, cands, step_time, verify_width,
+                    plain):
+        """``_choose`` for a priced step of a few rows, on Python floats, candidate by candidate
+        and row by row: the same arithmetic, the same plan. At one row the array form's ~60
+        numpy calls took ~0.4 ms of a ~6-ms step on the 2-vCPU AMD EPYC, with the device
+        idle."""
+        n, top = view.num_decode, cands.top
+        drafters = (*lookups, model) if model is not None else lookups
+        # [n][drafter][top + 1]: Σ_{j=0..L} α_{i,d}^j for every length L
+        tables = [[_partial_sums(rate, top) for rate in row]
+                  for row in self._rate_rows(view.request_ids, drafters)]
+        # [bucket][n]: each row's best lookup (tokens, which, its draft length)
+        look_tokens = [[1.0] * n for _ in buckets]
+        look_which = [[-1] * n for _ in buckets]
+        look_len = [[0] * n for _ in buckets]
+        for k, d in enumerate(lookups):
+            found = view.lookup_lengths.get(d)
+            if found is None:
+                continue
+            found = found.tolist()
+            probs = view.lookup_probs.get(d)
+            factors = None
+            for i in range(n):
+                table = tables[i][k]
+                if probs is not None and not np.isnan(probs[i, 0]):
+                    if factors is None:
+                        factors = self.calibration(d, top).tolist()
+                    table = _own_sums(probs[i, :min(found[i], top)].tolist(), factors)
+                for b, bucket in enumerate(buckets):
+                    length = min(found[i], bucket)
+                    if table[length] > look_tokens[b][i] + 1e-9:
+                        look_tokens[b][i], look_which[b][i], look_len[b][i] = \
+                            table[length], d, length
+        lookups_only = [(sum(tokens), 0.0, sum(lengths), 0, max(which) >= 0)
+                        for tokens, lengths, which in zip(look_tokens, look_len, look_which)]
+        catch_up = [self.catch_up_seconds() * max(p - 2, 0)
+                    for p in view.pending_draft_tokens.tolist()]
+        cand_b, cand_m = cands.bucket_list, cands.model_list
+        # per candidate the draft model runs in, per row: its tokens over the best lookup's
+        gains = [[tables[i][-1][m] - look_tokens[b][i] for i in range(n)]
+                 if m and model is not None else None for b, m in zip(cand_b, cand_m)]
+
+        def takes(c: int, i: int, worth) -> bool:
+            """Whether the model drafts row i in candidate c."""
+            return gains[c][i] > 1e-9 and (worth is None or worth[c][i])
+
+        def evaluate(worth) -> list:
+            """Per candidate: (Σ tokens, catch-up seconds, Σ γ, the model's forwards, whether
+            any row drafts); None where the model runs but takes no row (the same step as the
+            candidate without it). ``worth``: [C][n], the model's rows worth their catch-up,
+            None: all."""
+            out = []
+            for c, (b, m) in enumerate(zip(cand_b, cand_m)):
+                if gains[c] is None:
+                    out.append(lookups_only[b])
+                    continue
+                tokens, lengths = look_tokens[b], look_len[b]
+                total_tokens, extra, total, taken = 0.0, 0.0, 0, False
+                for i in range(n):
+                    if takes(c, i, worth):
+                        total_tokens += tables[i][-1][m]
+                        extra += catch_up[i]
+                        total += m
+                        taken = True
+                    else:
+                        total_tokens += tokens[i]
+                        total += lengths[i]
+                out.append((total_tokens, extra, total, m, True) if taken else None)
+            return out
+
+        def seconds_of(steps) -> list:
+            """Per candidate: its step's seconds without catch-up (None where ``steps`` is)."""
+            live = [c for c, step in enumerate(steps) if step is not None]
+            totals = [steps[c][2] for c in live]
+            runs = [steps[c][3] for c in live]
+            width = np.array([verify_width(total, buckets[cand_b[c]], r > 0)
+                              for c, total, r in zip(live, totals, runs)], np.float64)
+            width += view.displaced_prompt_tokens(np.array(totals, np.int64))
+            seconds = np.asarray(step_time(width, np.array(runs, np.int64),
+                                           np.array([steps[c][4] for c in live])), np.float64)
+            out = [None] * len(steps)
+            for c, sec in zip(live, seconds.tolist() if seconds.ndim else
+                              [float(seconds)] * len(live)):
+                out[c] = sec
+            return out
+
+        worth = None
+        steps = evaluate(None)  # every row's catch-up paid
+        seconds = seconds_of(steps)
+        if model is not None and any(catch_up):  # the model's rows worth their catch-up
+            worth = [None if step is None or gains[c] is None else
+                     [gain >= step[0] / sec * cu for gain, cu in zip(gains[c], catch_up)]
+                     for c, (step, sec) in enumerate(zip(steps, seconds))]
+            if any(gains[c][i] > 1e-9 and not worth[c][i] for c in range(len(steps))
+                   if worth[c] is not None for i in range(n)):
+                steps = evaluate(worth)  # a row the model would take is not
+                seconds = seconds_of(steps)
+            else:
+                worth = None
+        values = [-np.inf if step is None else step[0] / (sec + step[1])
+                  for step, sec in zip(steps, seconds)]
+        k = max(range(len(values)), key=values.__getitem__)
+        if values[k] <= n / plain:
+            return 0, None, 0.0
+        b, m = cand_b[k], cand_m[k]
+        model_rows = [gains[k] is not None and takes(k, i, worth) for i in range(n)]
+        which = [model if own else look_which[b][i] for i, own in enumerate(model_rows)]
+        tokens = [tables[i][-1][m] if own else look_tokens[b][i]
+                  for i, own in enumerate(model_rows)]
+        # the gain: its tokens' seconds at plain decoding's rate, less its own
+        return (buckets[b], (np.array(tokens), np.array(which, np.int64), m),
+                float(steps[k][0] * (plain / n - 1.0 / values[k])))
 
     def _skips_plan(self) -> bool:
         """Whether this step decodes plainly without a plan (module docstring): sampling at
@@ -374,6 +505,32 @@ class DrafterChoice:
                              for d, c in state.get("calibration", {}).items()}
 
 
+def _plain_plan(n: int) -> DraftPlan:
+    return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
+
+
+def _partial_sums(rate: float, top: int) -> list[float]:
+    """Σ_{j=0..L} rate^j for L = 0..top."""
+    out, total = [], 0.0
+    for j in range(top + 1):
+        total += rate ** j
+        out.append(total)
+    return out
+
+
+def _own_sums(chained: list[float], factors: list[float]) -> list[float]:
+    """A lookup's own estimate of the tokens its draft yields at each length L up to the draft's
+    (``DrafterChoice.plan``: 1 + Σ_{j<L} Π_{k≤j} min(1, κ_k·p_k)), from its chained
+    estimates P_j and the calibration factors κ_j."""
+    out, before, product, total = [1.0], 1.0, 1.0, 0.0
+    for p, factor in zip(chained, factors):
+        product *= min(factor * (p / before), 1.0)
+        before = p
+        total += product
+        out.append(total + 1.0)
+    return out
+
+
 def _given(chained: np.ndarray) -> np.ndarray:
     """Per draft token (last axis), its estimate given all before it accepted: the chained
     estimates P_j over P_{j-1}, P_0 = 1."""
@@ -406,6 +563,7 @@ class _Candidates:
     bucket: np.ndarray  # [C]: each candidate's bucket index
     bucket_list: list[int]  # the same, for host loops
     model_gamma: np.ndarray  # [C]
+    model_list: list[int]  # the same, for host loops
     model_runs: np.ndarray  # [C]: model_gamma > 0
 
     @classmethod
@@ -417,4 +575,5 @@ class _Candidates:
                    bucket_col=np.asarray(buckets, np.int64)[:, None],
                    bucket=np.array([b for b, _ in pairs], np.int64),
                    bucket_list=[b for b, _ in pairs], model_gamma=model_gamma,
+                   model_list=model_gamma.tolist(),
                    model_runs=model_gamma > 0)

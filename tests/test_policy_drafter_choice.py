@@ -321,6 +321,63 @@ def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
 
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_plan_over_a_few_rows_on_python_floats_is_the_plan_over_arrays(seed):
+    """``_choose_few`` (a few rows, on Python floats) and ``_choose`` (on [candidates, rows]
+    arrays) plan the same steps: random evidence, surveys with and without estimates, draft
+    models far behind, ragged and padded verify widths, prompts waiting."""
+    rng = np.random.default_rng(seed)
+    buckets, lookups = (1, 2, 4, 8), (NGRAM, SUFFIX)
+    plans = 0
+    for _ in range(60):
+        n = int(rng.integers(1, 5))
+        choice = DrafterChoice(alpha0=float(rng.uniform(0.3, 0.9)), confidence_z=1.0)
+        view = make_view(n, max_gamma=8, pending=rng.choice([1, 2, 40, 900], n),
+                         prefill_backlog_tokens=int(rng.choice([0, 30])))
+        view = dataclasses.replace(view, lookahead_tokens=int(rng.integers(0, 9 * n)))
+        for _ in range(int(rng.integers(0, 12))):  # evidence per (row, drafter)
+            drafted = rng.choice([-1, MODEL, NGRAM, SUFFIX], n)
+            accepted = np.where(drafted >= 0, rng.integers(0, 5, n), 0)
+            _learn(choice, view, drafted, accepted)
+        if rng.random() < 0.7:
+            out = make_outcome(view, [0] * n, [0] * n)
+            choice.observe(dataclasses.replace(out, catch_up_time=float(rng.uniform(0, 0.02)),
+                                               catch_up_tokens=1000))
+        found = {d: rng.integers(0, 9, n) for d in lookups if rng.random() < 0.8}
+        probs = {}
+        if SUFFIX in found:
+            chained = np.cumprod(rng.uniform(0.2, 1.0, (n, 8)), axis=1)
+            chained[np.arange(8)[None, :] >= found[SUFFIX][:, None]] = np.nan
+            chained[rng.random(n) < 0.3] = np.nan  # rows without an estimate
+            probs[SUFFIX] = chained
+            choice._calibration[SUFFIX] = (rng.uniform(0, 5, 8), rng.uniform(0, 5, 8))
+        view = dataclasses.replace(view, lookup_lengths=found, lookup_probs=probs)
+        if rng.random() < 0.5:
+            view = dataclasses.replace(view, verify_width=lambda drafted, g, model_drafts:
+                                       n * (1 + g) if model_drafts else 8 * -(-(n + drafted) // 8))
+        a, b, c = rng.uniform(1e-3, 1e-2), rng.uniform(1e-5, 1e-3), rng.uniform(0, 3e-3)
+        per_step = rng.random() < 0.5
+
+        def step_time(width, forwards, drafts):
+            return a + b * np.asarray(width, np.float64) + c * np.asarray(
+                drafts if per_step else forwards, np.float64)
+
+        model = MODEL if rng.random() < 0.7 else None
+        cands = choice._candidates(buckets, model is not None)
+        verify_width = view.verify_width or (lambda drafted, g, model_drafts: n * (1 + g))
+        plain = step_time(verify_width(0, 0, False), 0, False)
+        args = (view, model, lookups, buckets, cands, step_time, verify_width, plain)
+        (g, best, gain), (g_few, best_few, gain_few) = choice._choose(*args), \
+            choice._choose_few(*args)
+        assert g_few == g and (best_few is None) == (best is None)
+        assert gain_few == pytest.approx(gain, rel=1e-9, abs=1e-15)
+        if best is not None:
+            plans += 1
+            assert best_few[1].tolist() == best[1].tolist() and best_few[2] == best[2]
+            assert best_few[0] == pytest.approx(best[0], rel=1e-12)
+    assert plans >= 20  # most cases draft: the comparison covers the drafting paths
+
+
 def test_planning_that_has_not_paid_runs_every_plan_every_steps():
     """Plans that draft nothing predict no gain, less than planning takes: the steps after one
     decode plainly without a plan, surveying no lookup, until ``plan_every`` steps have passed.
