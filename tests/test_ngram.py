@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import ENGINE_KW, ENGINE_VOCAB, make_engine, run_to_completion
@@ -59,23 +59,35 @@ def test_lookup_from_the_occurrence_index_equals_the_scan(tokens, n_max):
 
 @settings(max_examples=100, deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
-       bounds=st.lists(st.integers(1, 12), min_size=1, max_size=4), bound=st.integers(0, 12))
-def test_one_match_per_row_serves_every_lookup_bound(tokens, bounds, bound):
+       bounds=st.lists(st.integers(1, 12), min_size=1, max_size=4), bound=st.integers(0, 12),
+       steps=st.lists(st.integers(1, 5), min_size=1, max_size=8),
+       limit=st.sampled_from([0, 6, 256]))
+@example(tokens=[0, 1, 2, 3, 5, 0, 1, 2, 3], bounds=[5, 2], bound=0, steps=[4], limit=256)
+def test_one_match_per_row_serves_every_lookup_bound(tokens, bounds, bound, steps, limit):
     """The engine's lookups share each row's match (computed once per length, up to the
-    longest any of them takes): whatever bounds they ask in whatever order, and as the
-    sequence grows, each gets ``longest_earlier_suffix`` at its own bound."""
+    longest any of them takes, and brought up to date a token at a time where the added
+    tokens occur less than ``limit`` times before, else scanned anew): whatever bounds they
+    ask in whatever order (rotated each step), and as the sequence grows by steps of several
+    tokens, each gets ``longest_earlier_suffix`` at its own bound."""
     from jspec.proposers import TokenBuffers
+    from jspec.proposers import ngram
     from jspec.proposers.ngram import longest_earlier_suffix
     from jspec.sequence import Sequence
 
     buffers, s = TokenBuffers(4, bound), Sequence("a", tokens[:1], None, 0)
-    for t in tokens[1:]:
-        s.output_token_ids.append(t)
-        for n_max in bounds:
-            got_tokens, (m, ends) = buffers.lookup_input(s, n_max)
-            want_m, want_ends = longest_earlier_suffix(np.array(s.token_ids(), np.int32), n_max)
-            assert got_tokens.tolist() == s.token_ids()
-            assert m == want_m and ends.tolist() == want_ends.tolist()
+    rest, k = tokens[1:], 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ngram, "_ADVANCE_LIMIT", limit)
+        while rest:
+            step = steps[k % len(steps)]
+            s.output_token_ids.extend(rest[:step])
+            rest, k = rest[step:], k + 1
+            for n_max in bounds[k % len(bounds):] + bounds[:k % len(bounds)]:
+                got_tokens, (m, ends) = buffers.lookup_input(s, n_max)
+                want_m, want_ends = longest_earlier_suffix(np.array(s.token_ids(), np.int32),
+                                                           n_max)
+                assert got_tokens.tolist() == s.token_ids()
+                assert m == want_m and ends.tolist() == want_ends.tolist()
 
 
 @given(tokens=st.lists(st.integers(0, 5), min_size=1, max_size=150))
