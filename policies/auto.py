@@ -117,6 +117,9 @@ class AutoPolicy(DSDPolicy):
         if self._choice is not None:
             self._choice.observe(outcome)
             self._line.observe(outcome)
+            # solved now rather than by the next plan: the engine records a step while the
+            # device runs the next one, and plans while it waits
+            self._line.coefficients()
 
     def state_dict(self) -> dict[str, Any]:
         out = {"policy": self.name, **super().state_dict()}

@@ -106,6 +106,11 @@ class DrafterChoice:
         self._plan_cost = 0.0
         self._unplanned = 0  # steps in a row decoded plainly without a plan
         self.plan_every = _PLAN_EVERY
+        # what a plan over a few rows reads of the evidence, computed when the evidence
+        # arrives (``observe``: the engine records a step while the device runs the next one)
+        # for the rows just judged: ((drafters, longest bucket), request -> its rate tables,
+        # lookup -> its calibration factors); the key is the last such plan's
+        self._ready: tuple[tuple, dict[str, list], dict[int, list[float]]] | None = None
 
     def drafter_rate(self, d: int) -> float:
         """Drafter ``d``'s rate at its upper confidence bound, at most 1."""
@@ -116,6 +121,11 @@ class DrafterChoice:
         shrunk towards the drafter's bound."""
         return np.array(self._rate_rows(request_ids, drafters), np.float64).reshape(
             len(request_ids), len(drafters)).T
+
+    def _tables(self, request_ids, drafters, top: int) -> list[list[list[float]]]:
+        """[n][drafter][top + 1]: each sequence's Σ_{j=0..L} α_{i,d}^j for L = 0..top."""
+        return [[_partial_sums(rate, top) for rate in row]
+                for row in self._rate_rows(request_ids, drafters)]
 
     def _rate_rows(self, request_ids, drafters) -> list[list[float]]:
         """``seq_rates`` as a list of rows, one per sequence."""
@@ -290,8 +300,14 @@ class DrafterChoice:
         n, top = view.num_decode, cands.top
         drafters = (*lookups, model) if model is not None else lookups
         # [n][drafter][top + 1]: Σ_{j=0..L} α_{i,d}^j for every length L
-        tables = [[_partial_sums(rate, top) for rate in row]
-                  for row in self._rate_rows(view.request_ids, drafters)]
+        key = (drafters, top)
+        ready = self._ready if self._ready is not None and self._ready[0] == key else None
+        self._ready = (key, {}, {})  # what the next evidence prepares for the next plan
+        tables = [ready[1].get(rid) if ready else None for rid in view.request_ids]
+        missing = [rid for rid, table in zip(view.request_ids, tables) if table is None]
+        if missing:
+            fresh = iter(self._tables(missing, drafters, top))
+            tables = [next(fresh) if table is None else table for table in tables]
         # [bucket][n]: each row's best lookup (tokens, which, its draft length)
         look_tokens = [[1.0] * n for _ in buckets]
         look_which = [[-1] * n for _ in buckets]
@@ -307,7 +323,8 @@ class DrafterChoice:
                 table = tables[i][k]
                 if probs is not None and not np.isnan(probs[i, 0]):
                     if factors is None:
-                        factors = self.calibration(d, top).tolist()
+                        factors = (ready[2].get(d) if ready else None) \
+                            or self.calibration(d, top).tolist()
                     table = _own_sums(probs[i, :min(found[i], top)].tolist(), factors)
                 for b, bucket in enumerate(buckets):
                     length = min(found[i], bucket)
@@ -461,6 +478,10 @@ class DrafterChoice:
         return seconds / tokens if tokens > 0 else 0.0
 
     def observe(self, outcome: StepOutcome) -> None:
+        self._learn(outcome)
+        self._prepare(outcome.request_ids)
+
+    def _learn(self, outcome: StepOutcome) -> None:
         if outcome.catch_up_tokens > 0:
             self._catch_up = [_CATCH_UP_DECAY * self._catch_up[0] + outcome.catch_up_time,
                               _CATCH_UP_DECAY * self._catch_up[1] + outcome.catch_up_tokens]
@@ -492,6 +513,16 @@ class DrafterChoice:
             live = set(outcome.request_ids)
             self.seqs = {rid: v for rid, v in self.seqs.items() if rid in live}
 
+    def _prepare(self, request_ids) -> None:
+        """The rate tables and calibration factors the next plan over a few rows reads, for
+        ``request_ids`` (``_ready``)."""
+        if self._ready is None or not 0 < len(request_ids) <= _FEW_ROWS:
+            self._ready = None
+            return
+        key = (drafters, top) = self._ready[0]
+        self._ready = (key, dict(zip(request_ids, self._tables(request_ids, drafters, top))),
+                       {d: self.calibration(d, top).tolist() for d in self._calibration})
+
     def state_dict(self) -> dict[str, Any]:
         return {"rate": {str(d): r for d, r in self.rate.items()},
                 "judged": {str(d): j for d, j in self.judged.items()},
@@ -503,6 +534,7 @@ class DrafterChoice:
         self.judged = {int(d): float(j) for d, j in state.get("judged", {}).items()}
         self._calibration = {int(d): _calibration_of(c)
                              for d, c in state.get("calibration", {}).items()}
+        self._ready = None
 
 
 def _plain_plan(n: int) -> DraftPlan:

@@ -325,7 +325,8 @@ def test_a_lookups_estimates_are_calibrated_by_what_they_accepted():
 def test_a_plan_over_a_few_rows_on_python_floats_is_the_plan_over_arrays(seed):
     """``_choose_few`` (a few rows, on Python floats) and ``_choose`` (on [candidates, rows]
     arrays) plan the same steps: random evidence, surveys with and without estimates, draft
-    models far behind, ragged and padded verify widths, prompts waiting."""
+    models far behind, ragged and padded verify widths, prompts waiting; and so they do with
+    the tables the next evidence prepares for the next plan."""
     rng = np.random.default_rng(seed)
     buckets, lookups = (1, 2, 4, 8), (NGRAM, SUFFIX)
     plans = 0
@@ -367,15 +368,21 @@ def test_a_plan_over_a_few_rows_on_python_floats_is_the_plan_over_arrays(seed):
         verify_width = view.verify_width or (lambda drafted, g, model_drafts: n * (1 + g))
         plain = step_time(verify_width(0, 0, False), 0, False)
         args = (view, model, lookups, buckets, cands, step_time, verify_width, plain)
-        (g, best, gain), (g_few, best_few, gain_few) = choice._choose(*args), \
-            choice._choose_few(*args)
-        assert g_few == g and (best_few is None) == (best is None)
-        assert gain_few == pytest.approx(gain, rel=1e-9, abs=1e-15)
-        if best is not None:
-            plans += 1
-            assert best_few[1].tolist() == best[1].tolist() and best_few[2] == best[2]
-            assert best_few[0] == pytest.approx(best[0], rel=1e-12)
-    assert plans >= 20  # most cases draft: the comparison covers the drafting paths
+        # the second time, from the tables the evidence in between prepared (``_ready``)
+        for prepared in (False, True):
+            if prepared:
+                drafted = rng.choice([-1, MODEL, NGRAM, SUFFIX], n)
+                _learn(choice, view, drafted, np.where(drafted >= 0, rng.integers(0, 5, n), 0))
+                assert set(choice._ready[1]) == set(view.request_ids)
+            (g, best, gain), (g_few, best_few, gain_few) = choice._choose(*args), \
+                choice._choose_few(*args)
+            assert g_few == g and (best_few is None) == (best is None)
+            assert gain_few == pytest.approx(gain, rel=1e-9, abs=1e-15)
+            if best is not None:
+                plans += 1
+                assert best_few[1].tolist() == best[1].tolist() and best_few[2] == best[2]
+                assert best_few[0] == pytest.approx(best[0], rel=1e-12)
+    assert plans >= 40  # most cases draft: the comparison covers the drafting paths
 
 
 def test_planning_that_has_not_paid_runs_every_plan_every_steps():
