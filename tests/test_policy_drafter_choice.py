@@ -331,7 +331,7 @@ def test_a_plan_over_a_few_rows_on_python_floats_is_the_plan_over_arrays(seed):
     buckets, lookups = (1, 2, 4, 8), (NGRAM, SUFFIX)
     plans = 0
     for _ in range(60):
-        n = int(rng.integers(1, 5))
+        n = int(rng.integers(1, 9))
         choice = DrafterChoice(alpha0=float(rng.uniform(0.3, 0.9)), confidence_z=1.0)
         view = make_view(n, max_gamma=8, pending=rng.choice([1, 2, 40, 900], n),
                          prefill_backlog_tokens=int(rng.choice([0, 30])))
