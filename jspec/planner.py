@@ -144,8 +144,8 @@ class Planner:
             row.gamma_planned = row.gamma_verify = max(0, min(int(gamma), room, row.lookahead))
             row.drafter = drafter if row.gamma_planned else -1
         used = {r.drafter for r in decode_rows if r.gamma_planned}
-        if plan.drafters is not None:
-            chain = (used.pop(),) if len(used) == 1 else ()
+        if plan.drafters is not None:  # one drafter for every drafting row: its own step
+            chain = (next(iter(used)),) if len(used) == 1 else ()
         st.chain = chain if used else ()
 
     def _row_drafters(self, drafters, n: int) -> np.ndarray:

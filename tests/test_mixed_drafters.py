@@ -83,6 +83,23 @@ def test_greedy_mixed_drafters_equal_target_only(repeating_target, repeating_dra
     assert sum(s["num_accepted_tokens"] for s in stats.values()) > 0
 
 
+@pytest.mark.parametrize("drafter", [0, 2], ids=["draft-model", "suffix"])
+def test_a_step_one_drafter_drafts_is_that_drafters_own(repeating_target, repeating_draft,
+                                                        repeating_reference, drafter):
+    """A plan that names one drafter for every drafting row runs that drafter's own step (its
+    chain), not a mix of one: the draft model's tokens stay on device between its loop and
+    the target's pass instead of coming to the host to be merged."""
+    engine = make_engine(repeating_target, repeating_draft, RowDrafters(4, (drafter, -1)),
+                         speculative_method=ALL)
+    records = []
+    engine.add_step_listener(records.append)
+    outs = run_to_completion(engine, _prompts(), GREEDY)
+    for i, ref in enumerate(repeating_reference):
+        assert outs[str(i)].token_ids == ref, f"prompt {i}"
+    drafting = [r for r in records if r.gamma_bucket]
+    assert drafting and all(r.chain == (drafter,) for r in drafting)
+
+
 def test_lookups_mix_without_a_draft_model(repeating_target, repeating_reference):
     engine = make_engine(repeating_target, None, RowDrafters(4, (0, 1, -1)),
                          speculative_method="ngram+suffix")
