@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from jspec.policies.base import BatchView, DraftPlan
-from jspec.policies.drafter_choice import DrafterChoice
+from jspec.policies.drafter_choice import DrafterChoice, plain_plan
 from jspec.policies.dsd import DSDPolicy
 from jspec.policies.measured_time import StepLine
 
@@ -90,7 +90,7 @@ class AutoPolicy(DSDPolicy):
             return super().plan(view)
         n = view.num_decode
         if n == 0 or self.max_gamma == 0 or view.prefill_bound:
-            return DraftPlan(gammas=np.zeros(n, np.int32), drafters=np.full(n, -1, np.int64))
+            return plain_plan(n)
         model = self.model if view.draft_resident else None
         buckets = tuple(b for b in (self.gamma_buckets or range(self.max_gamma + 1)) if b > 0)
         return self._choice.plan(view, model, self.lookups, buckets, self._step_time())

@@ -54,15 +54,15 @@ def suffix_runs(tokens: np.ndarray, n_max: int, ends: np.ndarray | None = None
     return ends, runs
 
 
-def longest_of(ends: np.ndarray, runs: np.ndarray, n_max: int) -> tuple[int, np.ndarray]:
-    """(n, ends) of ``longest_earlier_suffix`` from ``suffix_runs`` computed up to any bound
-    of at least ``n_max``."""
-    if not ends.size:
-        return 0, ends
-    matched = int(runs.max())
-    if matched > n_max:
-        runs, matched = np.minimum(runs, n_max), n_max
-    return matched, ends[runs == matched]
+def longest_of(ends: list[int], runs: list[int], n_max: int) -> tuple[int, np.ndarray]:
+    """(n, ends) of ``longest_earlier_suffix`` from ``suffix_runs`` (as lists) computed up to
+    any bound of at least ``n_max``. On lists: a row's occurrences are few, and numpy's
+    per-call cost would be most of the work."""
+    if not ends:
+        return 0, np.zeros(0, np.int64)
+    matched = min(max(runs), n_max)
+    return matched, np.array([e for e, r in zip(ends, runs) if min(r, n_max) == matched],
+                             np.int64)
 
 
 def longest_earlier_suffix(tokens: np.ndarray, n_max: int, ends: np.ndarray | None = None
@@ -71,7 +71,8 @@ def longest_earlier_suffix(tokens: np.ndarray, n_max: int, ends: np.ndarray | No
     earlier (ending before the last token), and where each earlier occurrence ends, in
     order; (0, empty) when the last token never occurred before. ``ends``: where the last
     token occurred before, if the caller keeps an index (else found by a scan)."""
-    return longest_of(*suffix_runs(tokens, n_max, ends), n_max)
+    ends, runs = suffix_runs(tokens, n_max, ends)
+    return longest_of(ends.tolist(), runs.tolist(), n_max)
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int,
@@ -118,12 +119,7 @@ class _Tokens:
             bound = max(n_max, bound)
             ends, lengths = suffix_runs(self.buf[:self.size], bound, self.earlier())
             runs = self.runs = (self.size, bound, ends.tolist(), lengths.tolist())
-        ends, lengths = self.runs[2], self.runs[3]
-        if not ends:
-            return 0, np.zeros(0, np.int64)
-        matched = min(max(lengths), n_max)
-        return matched, np.array([e for e, r in zip(ends, lengths) if min(r, n_max) == matched],
-                                 np.int64)
+        return longest_of(runs[2], runs[3], n_max)
 
     def _advance(self, runs) -> bool:
         """Bring ``runs`` (computed at an earlier size) up to this size a token at a time: an
