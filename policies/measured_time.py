@@ -48,6 +48,11 @@ class MeasuredTime:
         a, b = line
         return a + b * np.asarray(width, np.float64)
 
+    def line(self) -> tuple[float, float] | None:
+        """The target's (a, b): seconds at width 0 and per token of width; None until the fit
+        can tell them apart."""
+        return self._target.line()
+
     @property
     def ready(self) -> bool:
         """Whether the run's own model prices every γ: the target line fitted, a draft timed."""

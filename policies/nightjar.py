@@ -453,7 +453,59 @@ class NightjarPolicy(Policy):
             for gamma, count in enumerate(ctx.counts):
                 if count == 0:
                     return gamma
+            scores = self._scores_every_arm_sampled(ctx, view)
+            return min(range(len(scores)), key=scores.__getitem__)
         return int(np.argmin(self._scores(ctx, view, prior)))
+
+    def _scores_every_arm_sampled(self, ctx: _Context, view: BatchView) -> list[float]:
+        """``_scores`` without a prior, on Python floats: the same arithmetic in the same
+        order, so the same values to the bit (``test_the_float_scores_are_the_array_scores``).
+        An exploiting step's plan is this once every arm has a sample, and over six arms
+        numpy's per-call overhead dominated the array form: a plan's median 59 → 46 µs in the
+        simulator's loop, and Nightjar's host time 0.33-0.43 → 0.27-0.28 ms a step in a B = 1
+        serving loop, where host work runs on the cores the forward uses (2-vCPU AMD EPYC,
+        Zen 5; static γ = 4: 0.02-0.03 ms)."""
+        arms = len(ctx.goodput)
+        g = list(ctx.goodput)
+        model = self._model_goodput_floats(view) if self.model_weight > 0 else None
+        if model is not None:
+            inflation = self.spread[1]
+            mw = self.model_weight
+            for a in range(arms):
+                if ctx.samples[a] > 0:
+                    w = ctx.weight[a] / inflation
+                    g[a] = (mw * model[a] + w * g[a]) / (mw + w)
+        scores = [1.0 / x if ctx.samples[a] > 0 and x > 0 else math.inf
+                  for a, x in enumerate(g)]
+        if self.max_gamma == 0:
+            return scores
+        if self.catch_up == "paper":
+            if self.switching_cost and self._prev_gamma == 0:
+                c = self.c_prefill(view)
+                for a in range(1, arms):
+                    scores[a] += c / a
+            return scores
+        if self.switching_cost:
+            extra = self.c_prefill(view) / max(float(np.sum(view.remaining_tokens)), 1.0)
+            for a in range(1, arms):
+                scores[a] += extra
+        return scores
+
+    def _model_goodput_floats(self, view: BatchView) -> list[float] | None:
+        """``model_goodput`` on Python floats (``_scores_every_arm_sampled``)."""
+        if not self._time.ready or view.num_decode == 0:
+            return None
+        n = view.num_decode
+        a, b = self._time.line()
+        draft = self._time.draft_forward()
+        gammas = gamma_range(self.max_gamma + 1)
+        # numpy's power differs from the C library's in the last bit for some exponents
+        tokens = expected_tokens(self.alpha, gammas).tolist()
+        out = []
+        for gamma, wide in enumerate(self.padded_gamma(gammas).tolist()):
+            seconds = a + b * float(n * (wide + 1)) + gamma * draft
+            out.append(n * tokens[gamma] / max(seconds, 1e-9))
+        return out
 
     def _scores(self, ctx: _Context, view: BatchView, prior: np.ndarray | None) -> np.ndarray:
         g = np.asarray(ctx.goodput, np.float64)

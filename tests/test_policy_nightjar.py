@@ -842,3 +842,26 @@ def test_a_young_context_explores_first_the_arms_the_runs_model_puts_near_the_be
     assert goodput[0] < 0.6 * goodput.max() and 1 < near.sum() < 5
     np.testing.assert_allclose(counts[4.0], np.where(near, 1 / near.sum(), 0.0), atol=0.04)
     np.testing.assert_allclose(counts[0.0], 0.2, atol=0.04)
+
+
+@pytest.mark.parametrize("env_name, options", [("low-load", {}), ("load-step", {}),
+                                               ("prefill-bursts", {"catch_up": "paper"})])
+def test_the_float_scores_are_the_array_scores(env_name, options):
+    """An exploiting step whose arms all have a sample scores them on Python floats
+    (``_scores_every_arm_sampled``); through thousands of simulated steps its scores equal the
+    array form's to the bit."""
+    from jspec.policy_sim import ENVIRONMENTS, profile_of, run_policy
+
+    env = ENVIRONMENTS[env_name]
+    compared = []
+
+    class Checked(NightjarPolicy):
+        def _scores_every_arm_sampled(self, ctx, view):
+            floats = super()._scores_every_arm_sampled(ctx, view)
+            assert floats == self._scores(ctx, view, None).tolist()
+            compared.append(self._time.ready)
+            return floats
+
+    policy = Checked(env.max_gamma, profile=profile_of(env), **options)
+    run_policy(env, policy, 3, 60.0)
+    assert len(compared) > 300 and sum(compared) > 250
