@@ -453,29 +453,28 @@ class NightjarPolicy(Policy):
             for gamma, count in enumerate(ctx.counts):
                 if count == 0:
                     return gamma
-            scores = self._scores_every_arm_sampled(ctx, view)
-            return min(range(len(scores)), key=scores.__getitem__)
-        return int(np.argmin(self._scores(ctx, view, prior)))
+        scores = self._scores(ctx, view, prior)
+        return min(range(len(scores)), key=scores.__getitem__)
 
-    def _scores_every_arm_sampled(self, ctx: _Context, view: BatchView) -> list[float]:
-        """``_scores`` without a prior, on Python floats: the same arithmetic in the same
-        order, so the same values to the bit (``test_the_float_scores_are_the_array_scores``).
-        An exploiting step's plan is this once every arm has a sample, and over six arms
-        numpy's per-call overhead dominated the array form: a plan's median 59 → 46 µs in the
-        simulator's loop, and Nightjar's host time 0.33-0.43 → 0.27-0.28 ms a step in a B = 1
-        serving loop, where host work runs on the cores the forward uses (2-vCPU AMD EPYC,
-        Zen 5; static γ = 4: 0.02-0.03 ms)."""
+    def _scores(self, ctx: _Context, view: BatchView, prior: np.ndarray | None) -> list[float]:
+        """Eq. (3)'s objective per γ (∞ for an arm with neither a sample nor a prior), on
+        Python floats: over six arms numpy's per-call overhead was most of an exploiting
+        plan's time (a plan's median 59 → 46 µs in the simulator's loop, Nightjar's host time
+        0.33-0.43 → 0.27-0.28 ms a step in a B = 1 serving loop, where host work runs on the
+        cores the forward uses; 2-vCPU AMD EPYC, Zen 5; static γ = 4: 0.02-0.03 ms)."""
         arms = len(ctx.goodput)
         g = list(ctx.goodput)
-        model = self._model_goodput_floats(view) if self.model_weight > 0 else None
-        if model is not None:
+        model = self._model_goodput(view) if self.model_weight > 0 else None
+        if model is not None:  # measured arms pulled towards the run's model (``model_weight``)
             inflation = self.spread[1]
             mw = self.model_weight
             for a in range(arms):
                 if ctx.samples[a] > 0:
                     w = ctx.weight[a] / inflation
                     g[a] = (mw * model[a] + w * g[a]) / (mw + w)
-        scores = [1.0 / x if ctx.samples[a] > 0 and x > 0 else math.inf
+        if prior is not None:  # an arm without a sample is scored by its prior
+            g = [x if ctx.samples[a] > 0 else float(prior[a]) for a, x in enumerate(g)]
+        scores = [1.0 / x if x > 0 and (prior is not None or ctx.samples[a] > 0) else math.inf
                   for a, x in enumerate(g)]
         if self.max_gamma == 0:
             return scores
@@ -485,62 +484,19 @@ class NightjarPolicy(Policy):
                 for a in range(1, arms):
                     scores[a] += c / a
             return scores
+        # seconds per token, as 1/g̃: the catch-up that speculating now runs (on what the draft
+        # missed: a γ = 0 run, arrivals' prompts) over the tokens it serves, which are the
+        # tokens the sequences have left to emit (see "Deviations")
         if self.switching_cost:
             extra = self.c_prefill(view) / max(float(np.sum(view.remaining_tokens)), 1.0)
             for a in range(1, arms):
                 scores[a] += extra
         return scores
 
-    def _model_goodput_floats(self, view: BatchView) -> list[float] | None:
-        """``model_goodput`` on Python floats (``_scores_every_arm_sampled``)."""
-        if not self._time.ready or view.num_decode == 0:
-            return None
-        n = view.num_decode
-        a, b = self._time.line()
-        draft = self._time.draft_forward()
-        gammas = gamma_range(self.max_gamma + 1)
-        # numpy's power differs from the C library's in the last bit for some exponents
-        tokens = expected_tokens(self.alpha, gammas).tolist()
-        out = []
-        for gamma, wide in enumerate(self.padded_gamma(gammas).tolist()):
-            seconds = a + b * float(n * (wide + 1)) + gamma * draft
-            out.append(n * tokens[gamma] / max(seconds, 1e-9))
-        return out
-
-    def _scores(self, ctx: _Context, view: BatchView, prior: np.ndarray | None) -> np.ndarray:
-        g = np.asarray(ctx.goodput, np.float64)
-        sampled = np.asarray(ctx.samples) > 0
-        model = self.model_goodput(view) if self.model_weight > 0 else None
-        if model is not None:  # measured arms pulled towards the run's model (``model_weight``)
-            weight = np.asarray(ctx.weight, np.float64) / self.spread[1]
-            g = np.where(sampled, (self.model_weight * model + weight * g)
-                         / (self.model_weight + weight), g)
-        if prior is not None:  # an arm without a sample is scored by its prior
-            g = np.where(sampled, g, prior)
-            known = g > 0
-        else:
-            known = sampled & (g > 0)
-        scores = np.full(len(g), np.inf)
-        scores[known] = 1.0 / g[known]
-        if self.max_gamma == 0:
-            return scores
-        arms = np.arange(1, self.max_gamma + 1)
-        if self.catch_up == "paper":
-            if self.switching_cost and self._prev_gamma == 0:
-                scores[1:] += self.c_prefill(view) / arms
-            return scores
-        # seconds per token, as 1/g̃: the catch-up that speculating now runs (on what the draft
-        # missed: a γ = 0 run, arrivals' prompts) over the tokens it serves, which are the
-        # tokens the sequences have left to emit (see "Deviations")
-        if self.switching_cost:
-            tokens = max(float(np.sum(view.remaining_tokens)), 1.0)
-            scores[1:] += self.c_prefill(view) / tokens
-        return scores
-
     def scores(self, view: BatchView) -> np.ndarray:
         """Eq. (3)'s objective per γ for this view's context (∞ for unvisited arms)."""
         ctx = self._contexts.get(batch_bucket(view.batch_size)) or self._new_context()
-        return self._scores(ctx, view, self.prior_goodput(view))
+        return np.asarray(self._scores(ctx, view, self.prior_goodput(view)))
 
     @property
     def alpha(self) -> float:
@@ -567,13 +523,23 @@ class NightjarPolicy(Policy):
         line over the forward's width n·(γ' + 1), γ' the compiled bucket γ runs in, plus γ
         draft forwards) and the judged acceptance rate ``alpha``; None until that model is
         fitted."""
+        goodput = self._model_goodput(view)
+        return None if goodput is None else np.asarray(goodput)
+
+    def _model_goodput(self, view: BatchView) -> list[float] | None:
+        """``model_goodput`` on Python floats (``_scores``)."""
         if not self._time.ready or view.num_decode == 0:
             return None
         n = view.num_decode
+        a, b = self._time.line()
+        draft = self._time.draft_forward()
         gammas = gamma_range(self.max_gamma + 1)
-        times = (self._time.target(n * (self.padded_gamma(gammas) + 1))
-                 + gammas * self._time.draft_forward())
-        return n * expected_tokens(self.alpha, gammas) / np.maximum(times, 1e-9)
+        tokens = expected_tokens(self.alpha, gammas).tolist()
+        out = []
+        for gamma, wide in enumerate(self.padded_gamma(gammas).tolist()):
+            seconds = a + b * float(n * (wide + 1)) + gamma * draft
+            out.append(n * tokens[gamma] / max(seconds, 1e-9))
+        return out
 
     def c_prefill(self, view: BatchView) -> float:
         """Seconds the draft would need to catch up before drafting this view (see module

@@ -844,24 +844,55 @@ def test_a_young_context_explores_first_the_arms_the_runs_model_puts_near_the_be
     np.testing.assert_allclose(counts[0.0], 0.2, atol=0.04)
 
 
+def _array_scores(policy: NightjarPolicy, ctx, view, prior) -> np.ndarray:
+    """Eq. (3) as ``NightjarPolicy._scores`` defines it, written with numpy arrays: the
+    reference its float arithmetic is checked against."""
+    g = np.asarray(ctx.goodput, np.float64)
+    sampled = np.asarray(ctx.samples) > 0
+    model = policy.model_goodput(view) if policy.model_weight > 0 else None
+    if model is not None:
+        weight = np.asarray(ctx.weight, np.float64) / policy.spread[1]
+        g = np.where(sampled, (policy.model_weight * model + weight * g)
+                     / (policy.model_weight + weight), g)
+    if prior is not None:
+        g = np.where(sampled, g, prior)
+        known = g > 0
+    else:
+        known = sampled & (g > 0)
+    scores = np.full(len(g), np.inf)
+    scores[known] = 1.0 / g[known]
+    if policy.max_gamma == 0:
+        return scores
+    arms = np.arange(1, policy.max_gamma + 1)
+    if policy.catch_up == "paper":
+        if policy.switching_cost and policy.prev_gamma == 0:
+            scores[1:] += policy.c_prefill(view) / arms
+        return scores
+    if policy.switching_cost:
+        tokens = max(float(np.sum(view.remaining_tokens)), 1.0)
+        scores[1:] += policy.c_prefill(view) / tokens
+    return scores
+
+
 @pytest.mark.parametrize("env_name, options", [("low-load", {}), ("load-step", {}),
                                                ("prefill-bursts", {"catch_up": "paper"})])
 def test_the_float_scores_are_the_array_scores(env_name, options):
-    """An exploiting step whose arms all have a sample scores them on Python floats
-    (``_scores_every_arm_sampled``); through thousands of simulated steps its scores equal the
-    array form's to the bit."""
+    """Eq. (3)'s scores are computed on Python floats (``NightjarPolicy._scores``); through
+    thousands of simulated steps, with the prior and without, they equal the numpy form of
+    the same arithmetic to the bit."""
     from jspec.policy_sim import ENVIRONMENTS, profile_of, run_policy
 
     env = ENVIRONMENTS[env_name]
     compared = []
 
     class Checked(NightjarPolicy):
-        def _scores_every_arm_sampled(self, ctx, view):
-            floats = super()._scores_every_arm_sampled(ctx, view)
-            assert floats == self._scores(ctx, view, None).tolist()
-            compared.append(self._time.ready)
+        def _scores(self, ctx, view, prior):
+            floats = super()._scores(ctx, view, prior)
+            assert floats == _array_scores(self, ctx, view, prior).tolist()
+            compared.append((self._time.ready, prior is not None))
             return floats
 
     policy = Checked(env.max_gamma, profile=profile_of(env), **options)
     run_policy(env, policy, 3, 60.0)
-    assert len(compared) > 300 and sum(compared) > 250
+    assert len(compared) > 300 and sum(ready for ready, _ in compared) > 250
+    assert any(with_prior for _, with_prior in compared)
